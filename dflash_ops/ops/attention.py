@@ -1,0 +1,164 @@
+"""``block_attention``: a block of query tokens per request over a paged KV cache.
+
+Request b owns queries ``q[query_start_loc[b]:query_start_loc[b+1]]``; they are the last
+``q_len_b`` positions of its sequence of ``seq_lens[b]`` keys (the block's own K/V already in
+the cache), so query i sits at position ``seq_lens[b] - q_len_b + i``. Key j of request b lives
+in block ``block_table[b, j // block_size]``, row ``j % block_size``.
+
+* non-causal: every query sees keys ``[0, seq_len)``; causal: keys ``<=`` its own position;
+* ``window > 0``: only keys with ``pos - j < window`` (causal) or ``|pos - j| < window``
+  (non-causal); ``window <= 0``: no window;
+* ``sinks[Hq]`` (fp32): a per-head logit added to the softmax denominator only;
+* GQA: query head h reads KV head ``h // (Hq // Hkv)``.
+
+Device values are bounds-checked: a block id outside ``[0, num_blocks)`` hides its keys,
+``seq_lens`` is clamped to ``max_blocks * block_size``, a query that sees no key gets zeros, and
+rows past ``query_start_loc[B]`` are zeros. ``DFLASH_OPS_DEBUG=1`` raises on such values.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import dispatch
+from . import _checks as C
+from .rope import HEAD_DIMS
+
+_OP = "block_attention"
+
+
+def _check_attn(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale,
+                causal=False, window=-1, sinks=None, out=None, op=_OP):
+    C.tensor(op, "q", q, rank=3, dtype=C.FLOAT_DTYPES, last_contiguous=True)
+    tq, hq, d = q.shape
+    C.head_dim(op, "q", d, HEAD_DIMS)
+    dev = q.device
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        C.tensor(op, name, c, rank=4, device=dev, last_contiguous=True)
+        C.same_dtype(op, name, c, "q", q)
+        if c.shape[3] != d:
+            C.fail(op, f"{name} must be [num_blocks, block_size, Hkv, D={d}], got {list(c.shape)}")
+    if v_cache.shape != k_cache.shape:
+        C.fail(op, f"v_cache must have the shape of k_cache {list(k_cache.shape)}, got "
+                   f"{list(v_cache.shape)}")
+    hkv = k_cache.shape[2]
+    if hkv == 0 or hq % hkv != 0:
+        C.fail(op, f"q's {hq} heads must be a multiple of the caches' Hkv = {hkv}")
+    C.tensor(op, "block_table", block_table, rank=2, dtype=torch.int32, device=dev)
+    b = block_table.shape[0]
+    C.tensor(op, "seq_lens", seq_lens, shape=(b,), dtype=torch.int32, device=dev)
+    C.tensor(op, "query_start_loc", query_start_loc, shape=(b + 1,), dtype=torch.int32,
+             device=dev)
+    if not (scale > 0):
+        C.fail(op, f"scale must be > 0, got {scale}")
+    if sinks is not None:
+        C.tensor(op, "sinks", sinks, shape=(hq,), dtype=torch.float32, device=dev)
+    if out is not None:
+        C.tensor(op, "out", out, shape=tuple(q.shape), device=dev, last_contiguous=True)
+        C.same_dtype(op, "out", out, "q", q)
+
+
+def _debug_attn(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, *rest, op=_OP,
+                **unused):
+    nb, bs = k_cache.shape[0], k_cache.shape[1]
+    cap = block_table.shape[1] * bs
+    if bool((seq_lens < 0).any() or (seq_lens > cap).any()):
+        C.fail(op, f"seq_lens must lie in [0, max_blocks * block_size = {cap}], got "
+                   f"{seq_lens.tolist()}")
+    qsl = query_start_loc.long()
+    q_lens = qsl[1:] - qsl[:-1]
+    if int(qsl[0]) != 0 or bool((q_lens < 0).any()) or int(qsl[-1]) != q.shape[0]:
+        C.fail(op, f"query_start_loc must rise from 0 to Tq = {q.shape[0]}, got {qsl.tolist()}")
+    if bool((q_lens > seq_lens.long()).any()):
+        C.fail(op, "each request's query length must be <= its seq_len")
+    n_used = (seq_lens.long() + bs - 1) // bs
+    used = torch.arange(block_table.shape[1], device=q.device)[None, :] < n_used[:, None]
+    ids = block_table.long()[used]
+    if bool(((ids < 0) | (ids >= nb)).any()):
+        C.fail(op, f"block_table holds block ids outside [0, {nb}) within seq_lens")
+
+
+def block_attention_ref(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale,
+                        causal=False, window=-1, sinks=None):
+    tq, hq, d = q.shape
+    nb, bs, hkv, _ = k_cache.shape
+    b, m = block_table.shape
+    dev = q.device
+    if tq == 0 or b == 0:
+        return torch.zeros_like(q)
+    t = torch.arange(tq, device=dev)
+    qsl = query_start_loc.long()
+    req = torch.searchsorted(qsl[1:], t, right=True)  # request of each query row
+    row_ok = (req < b) & (t >= qsl[0])
+    req = req.clamp(max=b - 1)
+    seq = seq_lens.long().clamp(0, m * bs)[req]
+    q_len = (qsl[req + 1] - qsl[req])
+    pos = seq - q_len + (t - qsl[req])  # [Tq]
+
+    j = torch.arange(m * bs, device=dev)
+    blk = block_table.long()[req][:, j // bs]  # [Tq, S]
+    key_ok = (j[None, :] < seq[:, None]) & (blk >= 0) & (blk < nb) & row_ok[:, None]
+    if causal:
+        key_ok &= j[None, :] <= pos[:, None]
+    if window > 0:
+        dist = pos[:, None] - j[None, :]
+        key_ok &= (dist < window) if causal else (dist.abs() < window)
+    blk = blk.clamp(0, nb - 1)
+    k = k_cache[blk, j % bs].float()  # [Tq, S, Hkv, D]
+    v = v_cache[blk, j % bs].float()
+    g = hq // hkv
+    qf = q.float().view(tq, hkv, g, d)
+    s = torch.einsum("tkgd,tjkd->tkgj", qf, k) * scale
+    s = s.masked_fill(~key_ok[:, None, None, :], float("-inf"))
+    mx = s.amax(-1)  # [Tq, Hkv, g]
+    if sinks is not None:
+        sk = sinks.float().view(1, hkv, g)
+        mx = torch.maximum(mx, sk)
+    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+    p = torch.exp(s - mx[..., None])
+    denom = p.sum(-1)
+    if sinks is not None:
+        denom = denom + torch.where(key_ok.any(-1)[:, None, None], torch.exp(sk - mx),
+                                    torch.zeros_like(mx))
+    o = torch.einsum("tkgj,tjkd->tkgd", p, v)
+    o = torch.where(denom[..., None] > 0, o / denom.clamp_min(1e-30)[..., None],
+                    torch.zeros_like(o))
+    return o.reshape(tq, hq, d).to(q.dtype)
+
+
+def _ref_out(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, causal, window,
+             sinks, out):
+    out.copy_(block_attention_ref(q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
+                                  scale, causal, window, sinks))
+
+
+_ARGS = ("Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
+         "Tensor query_start_loc, float scale, bool causal=False, int window=-1, "
+         "Tensor? sinks=None")
+
+dispatch.define_op(
+    f"block_attention({_ARGS}) -> Tensor",
+    validate=_check_attn, reference=block_attention_ref,
+    fake=lambda q, *a, **k: torch.empty_like(q, memory_format=torch.contiguous_format),
+    debug_check=_debug_attn)
+
+dispatch.define_op(
+    f"block_attention_out_({_ARGS}, *, Tensor(a!) out) -> ()",
+    validate=lambda *a, **k: _check_attn(*a, **k, op="block_attention_out_"),
+    reference=_ref_out, fake=lambda *a, **k: None,
+    debug_check=lambda *a, **k: _debug_attn(*a, op="block_attention_out_"))
+
+
+def block_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale,
+                    causal: bool = False, window: int = -1, sinks: Optional[torch.Tensor] = None,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Attention of each request's query block over its paged K/V; writes ``out`` if given."""
+    if out is None:
+        return torch.ops.dflash.block_attention.default(
+            q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, causal, window,
+            sinks)
+    torch.ops.dflash.block_attention_out_.default(
+        q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, causal, window,
+        sinks, out=out)
+    return out

@@ -1,0 +1,42 @@
+"""Builds the CUDA extension dflash_ops._C when a CUDA toolkit and a CUDA build of torch exist.
+
+Without them (CPU-only torch, no nvcc) the package installs with the Triton and torch backends
+only. TORCH_CUDA_ARCH_LIST is honoured; by default the extension targets sm_90a (Hopper).
+Set DFLASH_OPS_NO_CUDA=1 to skip the extension.
+"""
+import glob
+import os
+
+from setuptools import setup
+
+ext_modules, cmdclass = [], {}
+
+
+def _want_cuda() -> bool:
+    if os.environ.get("DFLASH_OPS_NO_CUDA", "0") == "1":
+        return False
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME
+    except Exception:  # torch missing in an isolated build env: pure-Python install
+        return False
+    return torch.version.cuda is not None and CUDA_HOME is not None
+
+
+if _want_cuda():
+    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    sources = sorted(glob.glob("csrc/*.cu") + glob.glob("csrc/*.cpp"))
+    nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        # sm_90a: Hopper with wgmma/setmaxnreg. Other GPUs: set TORCH_CUDA_ARCH_LIST.
+        nvcc.append("-gencode=arch=compute_90a,code=sm_90a")
+    ext_modules.append(CUDAExtension(
+        name="dflash_ops._C", sources=sources,
+        include_dirs=[os.path.join(here, "csrc")],
+        extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": nvcc},
+        define_macros=[("DFLASH_OPS_PYTHON_MODULE", "1")]))
+    cmdclass["build_ext"] = BuildExtension.with_options(use_ninja=True)
+
+setup(ext_modules=ext_modules, cmdclass=cmdclass)
