@@ -127,8 +127,9 @@ def block_attention_ref(q, k_cache, v_cache, block_table, seq_lens, query_start_
     return o.reshape(tq, hq, d).to(q.dtype)
 
 
-def _ref_out(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, causal, window,
-             sinks, out):
+def _ref_out(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, causal=False,
+             window=-1, sinks=None, *, out):
+    # The dispatcher drops trailing arguments equal to their schema default: keep defaults here.
     out.copy_(block_attention_ref(q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
                                   scale, causal, window, sinks))
 
