@@ -126,7 +126,13 @@ def available_backends(op: str) -> list:
 
 
 def resolve(op: str, device: str = "cuda") -> str:
-    """The backend a call of ``op`` on ``device`` ("cuda" or "cpu") runs with."""
+    """The backend a call of ``op`` on ``device`` (a device or its type) runs with."""
+    if op not in _OPS:
+        raise ValueError(f"unknown op {op!r}; ops are {sorted(_OPS)}")
+    return _resolve(op, torch.device(device).type)
+
+
+def _resolve(op: str, device: str) -> str:
     forced = _forced(op)
     if forced is not None:
         return forced
@@ -145,7 +151,7 @@ def _make_router(info: OpInfo, device: str) -> Callable:
     name = info.name
 
     def router(*args, **kwargs):
-        backend = resolve(name, device)
+        backend = _resolve(name, device)
         fn = info.impls.get(backend)
         if fn is None or (backend == "triton" and device == "cpu" and not _interpret()):
             if backend == "cuda" and device == "cuda" and name in _cuda_cpp_ops:
@@ -169,7 +175,7 @@ def sync() -> None:
     """Make each op's CUDA dispatch-key registration match its resolved backend."""
     with _sync_lock:
         for name, info in _OPS.items():
-            want_cpp = resolve(name, "cuda") == "cuda" and name in _cuda_cpp_ops
+            want_cpp = _resolve(name, "cuda") == "cuda" and name in _cuda_cpp_ops
             lib = _override_libs.get(name)
             if want_cpp and lib is not None:
                 lib._destroy()
@@ -225,7 +231,10 @@ def use_backend(backend: str, ops: Optional[Iterable[str]] = None):
         yield
     finally:
         with _sync_lock:
-            _force_stack.remove(forced)
+            for i in range(len(_force_stack) - 1, -1, -1):  # this block's entry, by identity
+                if _force_stack[i] is forced:
+                    del _force_stack[i]
+                    break
             sync()
 
 

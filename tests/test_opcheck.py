@@ -11,13 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dflash_ops
+import dflash_ops  # noqa: F401  (defines torch.ops.dflash.*)
 from dflash_ops import dispatch
 from dflash_ops.ops.rope import make_cos_sin_cache
 
-HAS_CUDA = torch.cuda.is_available()
-requires_cuda = [pytest.mark.gpu,
-                 pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
+requires_cuda = [pytest.mark.gpu]  # tests/conftest.py skips these without a CUDA GPU
 
 EPS = 1e-6
 P = 32  # cos/sin table length
@@ -217,6 +215,8 @@ CASES = [
     ("block_attention", "gqa4-noncausal-window", _block_attention(False, 2, False, hq=8, hkv=2)),
     ("block_attention_out_", "causal", _block_attention_out(True, -1, False)),
     ("block_attention_out_", "noncausal-sinks", _block_attention_out(False, -1, True)),
+    # causal/window/sinks at their schema defaults: the dispatcher drops such trailing args
+    ("block_attention_out_", "all-defaults", _block_attention_out(False, -1, False)),
 ]
 
 # fp32 for every case; bf16 for the cheap ones (everything here is small, so all of them).
@@ -306,12 +306,16 @@ def _clone_inputs(inputs):
                  (a.clone() if isinstance(a, torch.Tensor) else a) for a in inputs)
 
 
-def test_torch_compile_fullgraph_draft_layer():
+@pytest.mark.parametrize("backend", [
+    "aot_eager",  # functionalization of the (a!) ops, fast
+    pytest.param("inductor", marks=pytest.mark.slow),  # ~20 s of C++ compilation on 2 CPU cores
+])
+def test_torch_compile_fullgraph_draft_layer(backend):
     torch._dynamo.reset()
     eager_in = _draft_inputs()
     comp_in = _clone_inputs(eager_in)
     out_e, q_e, k_e = _draft_layer(*eager_in)
-    compiled = torch.compile(_draft_layer, fullgraph=True, backend="aot_eager", dynamic=False)
+    compiled = torch.compile(_draft_layer, fullgraph=True, backend=backend, dynamic=False)
     out_c, q_c, k_c = compiled(*comp_in)
     torch.testing.assert_close(out_c, out_e)
     torch.testing.assert_close(q_c, q_e)

@@ -66,6 +66,8 @@ def cos_sin_cache(op: str, cache: torch.Tensor, head_size: int, device) -> int:
     """cos_sin_cache [P, R] fp32, R even and <= head_size; returns R (the rotary dims)."""
     tensor(op, "cos_sin_cache", cache, rank=2, dtype=torch.float32, device=device)
     r = cache.shape[1]
+    if cache.shape[0] == 0:
+        fail(op, "cos_sin_cache must have at least one position row, got shape [0, R]")
     if r % 2 != 0 or r == 0 or r > head_size:
         fail(op, f"cos_sin_cache must have an even number of columns R with 0 < R <= head_dim "
                  f"({head_size}), got R = {r}")

@@ -85,7 +85,7 @@ def block_attention_ref(q, k_cache, v_cache, block_table, seq_lens, query_start_
     nb, bs, hkv, _ = k_cache.shape
     b, m = block_table.shape
     dev = q.device
-    if tq == 0 or b == 0:
+    if tq == 0 or b == 0 or m == 0 or nb == 0 or bs == 0:  # no key anywhere: zeros
         return torch.zeros_like(q)
     t = torch.arange(tq, device=dev)
     qsl = query_start_loc.long()

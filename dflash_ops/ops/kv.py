@@ -25,6 +25,9 @@ from .rope import HEAD_DIMS, rope_values
 def _check_store(k, v, k_caches, v_caches, slot_mapping, op="store_kv_"):
     C.tensor(op, "k", k, rank=4, dtype=C.FLOAT_DTYPES, last_contiguous=True)
     t, n_layers, hkv, d = k.shape
+    if n_layers == 0:
+        C.fail(op, f"k must hold at least one layer ([T, L, Hkv, D] with L >= 1) and k_caches "
+                   f"one cache per layer, got k {list(k.shape)}")
     C.head_dim(op, "k", d, HEAD_DIMS)
     C.tensor(op, "v", v, shape=tuple(k.shape), device=k.device, last_contiguous=True)
     C.same_dtype(op, "v", v, "k", k)

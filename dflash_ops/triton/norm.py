@@ -83,14 +83,20 @@ def _groups(x: torch.Tensor, weight: torch.Tensor):
     return inner, inner // weight.shape[0]
 
 
-def _launch(x, residual, out, weight, eps, op):
+def config(d: int, n_rows: int):
+    """(BLOCK_M, num_warps) for rows of d elements: about 4096 elements per program."""
+    block_d = triton.next_power_of_2(d)
+    block_m = max(1, min(64, 4096 // block_d))
+    return block_m, (4 if block_d * block_m <= 4096 else 8)
+
+
+def _launch(x, residual, out, weight, eps, op, cfg=None):
     d = x.shape[-1]
     n_rows = x.numel() // d if d else 0
     if n_rows == 0:
         return
     block_d = triton.next_power_of_2(d)
-    block_m = max(1, min(64, 4096 // block_d))
-    num_warps = 4 if block_d * block_m <= 4096 else 8
+    block_m, num_warps = cfg or config(d, n_rows)
     xs, xst = row_layout(x, "x", op)
     os_, ost = row_layout(out, "out", op)
     if residual is not None:
