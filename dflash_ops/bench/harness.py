@@ -109,10 +109,12 @@ def time_fn(fn: Callable, *, rotate: Optional[Sequence[tuple]] = None, graph: bo
             warmup_ms: float = 25, rep_ms: float = 100, calls: Optional[int] = None) -> dict:
     """Per-call device time of ``fn(*args)``; args cycle through ``rotate`` (or ``fn()``).
 
-    Returns {"us": median, "p20", "p80", "samples", "mode": "events"|"graph"}. With
-    ``graph=True``: one warm-up call per set (autotuning and compilation happen before
-    capture), then ``calls`` (>= 32, a multiple of len(rotate)) calls captured in one graph,
-    replayed for ``rep_ms``; times are per call.
+    Returns {"us": median, "p20", "p80", "mode": "events"|"graph", ...}. With ``graph=True``:
+    one warm-up call per set on a side stream (autotuning and compilation happen before
+    capture), then ``calls`` calls (default max(32, len(rotate)), rounded up to whole passes
+    over the sets) captured in one graph and replayed for ``rep_ms``; times are per call.
+    Events (do_bench) time each call from its launch, so when the host takes longer to issue a
+    call than the GPU to run it they measure the host: prefer ``graph=True`` then.
     """
     sets = list(rotate) if rotate else [()]
     if graph:

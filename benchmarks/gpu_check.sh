@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The one script run on the H200 (device tool): install (builds dflash_ops._C), info, check, the
+# GPU tests, the benchmarks. Logs and result tables go under $OUT (at most 8 files come back).
+# Usage: bash benchmarks/gpu_check.sh [tests|bench|sweep|all]   (default all: tests + bench)
+set -uo pipefail
+OUT=${OUT:-/tmp/dflash-gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+what=${1:-all}
+t0=$(date +%s)
+if ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels (liger-kernel for the baselines)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+if ! python3 -c "import dflash_ops._C" 2>/dev/null; then
+  python3 -m pip install -e . --no-build-isolation --no-deps >"$OUT/install.log" 2>&1 \
+    || { tail -40 "$OUT/install.log"; exit 1; }
+fi
+echo "install: $(( $(date +%s) - t0 )) s"
+{ python3 -m dflash_ops info; python3 -m dflash_ops check; } 2>&1 | tee "$OUT/info_check.log"
+rc=0
+if [ "$what" = all ] || [ "$what" = tests ]; then
+  python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest_gpu.log"
+  rc=${PIPESTATUS[0]}
+  echo "tests: $(( $(date +%s) - t0 )) s"
+fi
+if [ "$what" = sweep ]; then
+  { python3 benchmarks/sweep_norm.py
+    for nv in 1 4; do DFLASH_OPS_NORM_LANE_VECS=$nv python3 benchmarks/sweep_norm.py --cuda-only; done
+  } 2>&1 | tee "$OUT/sweep.log"
+  echo "sweep: $(( $(date +%s) - t0 )) s"
+fi
+if [ "$what" = all ] || [ "$what" = bench ]; then
+  python3 benchmarks/bench_norm.py --out "$OUT/results" 2>&1 | tee "$OUT/bench_norm.log"
+  echo "bench: $(( $(date +%s) - t0 )) s"
+fi
+exit $rc

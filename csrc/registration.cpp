@@ -1,0 +1,26 @@
+// Registers the CUDA kernels of csrc/ for the ops that dflash_ops/ops/*.py define (schemas live
+// in Python so the package works without this extension). Loading the library is enough:
+//   setup.py builds it as the Python module dflash_ops._C (DFLASH_OPS_PYTHON_MODULE defined);
+//   the JIT build (torch.utils.cpp_extension.load, is_python_module=False) and the CMake
+//   library load it as a plain shared library.
+#ifdef DFLASH_OPS_PYTHON_MODULE
+#include <Python.h>  // first, as Python asks
+#endif
+
+#include <torch/library.h>
+
+#include "dflash_ops.h"
+
+TORCH_LIBRARY_IMPL(dflash, CUDA, m) {
+  m.impl("rms_norm", TORCH_FN(dflash_ops::rms_norm));
+  m.impl("fused_add_rms_norm_", TORCH_FN(dflash_ops::fused_add_rms_norm_));
+}
+
+#ifdef DFLASH_OPS_PYTHON_MODULE
+// `import dflash_ops._C` runs the static registration above; the module itself is empty.
+PyMODINIT_FUNC PyInit__C(void) {
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr,
+                               nullptr, nullptr, nullptr, nullptr};
+  return PyModule_Create(&module);
+}
+#endif
