@@ -28,8 +28,8 @@ for t in (16, 4096, 16384):
                      graph=True)["us"]
     res.append((f"cuda lane_vecs={os.environ.get('DFLASH_OPS_NORM_LANE_VECS', '2')}", us))
     if not only_cuda:
-        for bm in (4, 8, 16, 32, 64):
-            for nw in (1, 2, 4, 8):
+        for bm in (4, 8, 16, 32):
+            for nw in (1, 2, 4):
                 if bm * 128 < 32 * nw * 4:
                     continue
                 table = {id(x): o for (x, _), o in zip(sets, outs)}
