@@ -30,9 +30,12 @@ import torch
 BACKENDS = ("torch", "triton", "cuda")
 NAMESPACE = "dflash"
 
-# Fastest backend measured on the H200 per op (benchmarks/results); ops absent here prefer
-# cuda, then triton, then torch.
-DEFAULT_CUDA: Dict[str, str] = {}
+# Default backend per op on CUDA, from benchmarks/results (H200); ops absent here prefer cuda,
+# then triton, then torch. rms_norm / fused_add_rms_norm_ (results/norm.md, 2026-11-29): under
+# CUDA-graph replay the Triton kernel is 0-15% faster (K-norm T=16384: 80.5 vs 82.7 us), but an
+# eager call costs ~120 us of host time through the Python router + Triton launcher against
+# ~16 us for the C++ kernel the dispatcher calls directly, so cuda is faster end to end eager.
+DEFAULT_CUDA: Dict[str, str] = {"rms_norm": "cuda", "fused_add_rms_norm_": "cuda"}
 _PREFERENCE = ("cuda", "triton", "torch")
 
 _lib = torch.library.Library(NAMESPACE, "DEF")
