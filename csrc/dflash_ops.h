@@ -24,4 +24,39 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void fused_add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                          double eps);
 
+// rope_(Tensor(a!) x, Tensor positions, Tensor cos_sin_cache, bool is_neox) -> ()
+//   x: [T, Hx, D] bf16/fp16/fp32, any strides with unit stride in D, D in {16, 32, 64, 128, 256}
+//   positions: [T] int64; cos_sin_cache: [P, R] fp32, rows [cos(R/2), sin(R/2)], R even, R <= D
+//   in place: the first R dims of every head rotated, NeoX (i, i + R/2) or GPT-J (2i, 2i + 1)
+//   pairs, fp32 math; a position outside [0, P) leaves its token unchanged
+void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_sin_cache,
+           bool is_neox);
+
+// qk_norm_rope_(Tensor(a!) q, Tensor(b!) k, Tensor q_weight, Tensor k_weight, Tensor positions,
+//               Tensor cos_sin_cache, float eps, bool is_neox) -> ()
+//   q: [T, Hq, D], k: [T, Hkv, D] (e.g. slices of a fused QKV output), weights [D], dtype of q
+//   in place, one launch: per-head RMSNorm (HF rounding) then rope_'s rotation; a position
+//   outside [0, P) leaves its token normalised but unrotated
+void qk_norm_rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& q_weight,
+                   const at::Tensor& k_weight, const at::Tensor& positions,
+                   const at::Tensor& cos_sin_cache, double eps, bool is_neox);
+
+// knorm_rope_(Tensor(a!) k, Tensor k_weight, Tensor positions, Tensor cos_sin_cache, float eps,
+//             bool is_neox) -> ()
+//   k: [T, L, Hkv, D] any strides with unit stride in D (e.g. kv[:, :, 0] of a [T, L, 2, Hkv, D]
+//   GEMM output); k_weight: [L, D]; layer l's heads normalised with k_weight[l], then rotated;
+//   all layers in one launch
+void knorm_rope_(at::Tensor& k, const at::Tensor& k_weight, const at::Tensor& positions,
+                 const at::Tensor& cos_sin_cache, double eps, bool is_neox);
+
+// store_kv_(Tensor k, Tensor v, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches,
+//           Tensor slot_mapping) -> ()
+//   k, v: [T, L, Hkv, D] any strides with unit stride in D; k_caches, v_caches: L tensors
+//   [num_blocks, block_size, Hkv, D] each, any strides with unit stride in D, dtype of k;
+//   slot_mapping: [T] int64. Writes token t of layer l to block slot / block_size, row
+//   slot % block_size of layer l's caches; a slot < 0 or >= num_blocks * block_size is skipped.
+//   One launch for all layers; L <= 64.
+void store_kv_(const at::Tensor& k, const at::Tensor& v, at::TensorList k_caches,
+               at::TensorList v_caches, const at::Tensor& slot_mapping);
+
 }  // namespace dflash_ops

@@ -14,6 +14,10 @@
 TORCH_LIBRARY_IMPL(dflash, CUDA, m) {
   m.impl("rms_norm", TORCH_FN(dflash_ops::rms_norm));
   m.impl("fused_add_rms_norm_", TORCH_FN(dflash_ops::fused_add_rms_norm_));
+  m.impl("rope_", TORCH_FN(dflash_ops::rope_));
+  m.impl("qk_norm_rope_", TORCH_FN(dflash_ops::qk_norm_rope_));
+  m.impl("knorm_rope_", TORCH_FN(dflash_ops::knorm_rope_));
+  m.impl("store_kv_", TORCH_FN(dflash_ops::store_kv_));
 }
 
 #ifdef DFLASH_OPS_PYTHON_MODULE

@@ -7,6 +7,8 @@ import logging
 
 if importlib.util.find_spec("triton") is not None:
     from . import norm  # noqa: F401
+    from . import rope  # noqa: F401
+    from . import kv  # noqa: F401
     AVAILABLE = True
 else:  # pragma: no cover - triton ships with CUDA torch and in the test extras
     AVAILABLE = False

@@ -1,0 +1,639 @@
+// Rotary embedding: rope_, qk_norm_rope_, knorm_rope_ (references: dflash_ops/ops/rope.py).
+//
+//   rope_          x[T, Hx, D]                        rotated in place
+//   qk_norm_rope_  q[T, Hq, D], k[T, Hkv, D]          per-head RMSNorm, then rotation; one launch
+//   knorm_rope_    k[T, L, Hkv, D], k_weight[L, D]    layer l's K-norm, then rotation; one launch
+//
+// Numerics, as the reference rounds (T() rounds to x's dtype; rope_ has y = x):
+//   n = T(float(x) * rstd), rstd = rsqrt(mean(float(x)^2) + eps);   y = T(float(n) * float(w))
+//   NeoX pairs (y[i], y[i + R/2]), GPT-J pairs (y[2i], y[2i + 1]), i < R/2, c/s = cos/sin row i:
+//   (y1 c - y2 s, y2 c + y1 s) in fp32, each product and sum rounded on its own (no FMA
+//   contraction: PyTorch computes them as separate ops), rounded once to the dtype.
+//   A position outside [0, P) leaves the token unrotated (the norm ops still normalise it).
+//
+// Layout. One group of tpr lanes per head row (x, q, k: any strides, unit stride in D). A row is
+// cut into units of 2V elements (V = one vector) that hold V rotation pairs at angle indices
+// [uV, uV + V) and are loaded as two vectors a, b:
+//   NeoX,  uV <  R/2:  a = x[uV ..],        b = x[R/2 + uV ..]       (matching chunks of the halves)
+//   NeoX,  uV >= R/2:  a = x[R + q ..],     b = x[R + (D-R)/2 + q ..], q = uV - R/2 (tail, unrotated)
+//   GPT-J:             a = x[2uV ..],       b = x[2uV + V ..]         (pairs adjacent in a vector)
+// so both elements of every pair live in one lane: the only shuffles are the norm's sum.
+//   vector path: 16-byte vectors; two units a lane for bf16/fp16 (D = 128: 4 lanes x 4 x 16
+//   bytes; one with DFLASH_OPS_ROPE_LANE_UNITS=1), one for fp32.
+//   scalar path: V = 1, four units a lane, for what the vector path cannot take (a view not on
+//   16-byte boundaries, NeoX with R/2 or (D-R)/2 not a multiple of the vector, a strided weight).
+// One head row a group (the most rows in flight; 256-thread blocks, 256 / tpr rows each): the
+// group reads its token's cos/sin once, from L1/L2 (the block's rows share a token or two).
+// The rows of a token are q's heads then k's for qk_norm_rope_, all L * Hkv heads for
+// knorm_rope_ (weight row = layer); row -> (token, head) by multiply-shift division.
+#include "dflash_ops.h"
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <initializer_list>
+#include <limits>
+#include <sstream>
+#include <string>
+
+namespace dflash_ops {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Device side: no framework types.
+
+// Element types move as raw bits and convert explicitly (torch builds with
+// __CUDA_NO_HALF_CONVERSIONS__ / __CUDA_NO_BFLOAT16_CONVERSIONS__).
+struct BF16 {
+  using Bits = uint16_t;
+  static __device__ __forceinline__ float to_float(Bits b) {
+    return __uint_as_float(static_cast<uint32_t>(b) << 16);
+  }
+  static __device__ __forceinline__ Bits from_float(float f) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+  }
+};
+struct F16 {
+  using Bits = uint16_t;
+  static __device__ __forceinline__ float to_float(Bits b) {
+    return __half2float(__ushort_as_half(b));
+  }
+  static __device__ __forceinline__ Bits from_float(float f) {
+    return __half_as_ushort(__float2half_rn(f));
+  }
+};
+struct F32 {
+  using Bits = uint32_t;
+  static __device__ __forceinline__ float to_float(Bits b) { return __uint_as_float(b); }
+  static __device__ __forceinline__ Bits from_float(float f) { return __float_as_uint(f); }
+};
+
+template <int BYTES> struct RawOf;
+template <> struct RawOf<16> { using type = uint4; };
+template <> struct RawOf<8> { using type = uint2; };
+template <> struct RawOf<4> { using type = uint32_t; };
+template <> struct RawOf<2> { using type = uint16_t; };
+
+// N elements moved as one load/store of N * sizeof(Bits) bytes.
+template <class Bits, int N>
+union Pack {
+  using Raw = typename RawOf<static_cast<int>(sizeof(Bits)) * N>::type;
+  Raw raw;
+  Bits e[N];
+};
+
+// n / d for n < 2^31, 1 <= d < 2^31 by a multiply and a shift (as in norm.cu).
+struct FastDiv {
+  uint32_t d = 1, m = 1, s = 0;
+  __host__ __device__ __forceinline__ uint32_t div(uint32_t n) const {
+#ifdef __CUDA_ARCH__
+    return (__umulhi(n, m) + n) >> s;
+#else
+    return (static_cast<uint32_t>((uint64_t{n} * m) >> 32) + n) >> s;
+#endif
+  }
+};
+
+FastDiv make_fast_div(int64_t d) {
+  FastDiv f;
+  f.d = static_cast<uint32_t>(d);
+  f.s = 0;
+  while ((uint64_t{1} << f.s) < f.d) ++f.s;
+  f.m = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << f.s) - f.d)) / f.d + 1);
+  return f;
+}
+
+// One tensor's heads, viewed as [T, n_outer, n_inner, D] (element strides; 0 for size-1 dims).
+// Head h of a token is (o, i) = (h / n_inner, h % n_inner); its weight row is w + o * w_row.
+struct HeadSet {
+  void* x;
+  const void* w;       // norm ops: weight rows (unused by rope_)
+  int64_t s_tok, s_outer, s_inner;
+  int64_t w_row;       // knorm_rope_: k_weight's layer stride; 0: one weight for every head
+  int64_t w_col;       // weight element stride (1 on the vector path)
+  FastDiv div_inner;   // n_inner
+};
+
+struct RopeParams {
+  HeadSet set[2];      // qk_norm_rope_: q (heads [0, heads0)), k; otherwise set[0] alone
+  const int64_t* pos;  // positions[T], element stride pos_stride
+  int64_t pos_stride;
+  const float* cs;     // cos_sin_cache[P, R], element strides cs_row, cs_col
+  int64_t cs_row, cs_col;
+  int64_t n_pos;       // P
+  uint32_t rows;       // T * heads < 2^31
+  uint32_t heads0;     // heads of set[0] per token
+  FastDiv div_heads;   // heads per token, both sets
+  int half;            // R / 2
+  int rot_dim;         // R
+  int tail_half;       // (D - R) / 2
+  int units;           // units per row, D / (2 V)
+  float inv_d;         // 1 / D
+  float eps;
+  bool cs_vec4;        // cos/sin rows readable as float4 (unit column stride, 16-byte aligned)
+};
+
+constexpr int kBlock = 256;
+
+// A unit's 2V elements: vector a, then vector b.
+template <class Bits, int V>
+struct Unit {
+  Pack<Bits, V> a, b;
+  __device__ __forceinline__ Bits& operator[](int i) { return i < V ? a.e[i] : b.e[i - V]; }
+};
+
+template <class Bits, int V>
+__device__ __forceinline__ Pack<Bits, V> load_vec(const Bits* p) {
+  Pack<Bits, V> v;
+  v.raw = *reinterpret_cast<const typename Pack<Bits, V>::Raw*>(p);
+  return v;
+}
+
+// Weights: read-only for the kernel. The scalar path takes any element stride (the caller
+// scales the offset); the vector path has unit stride.
+template <class Bits, int V>
+__device__ __forceinline__ Pack<Bits, V> load_weight(const Bits* p) {
+  Pack<Bits, V> v;
+  v.raw = __ldg(reinterpret_cast<const typename Pack<Bits, V>::Raw*>(p));
+  return v;
+}
+
+// One lane group of tpr = 2^tpr_log2 lanes per head row, NU units a lane, V elements a vector;
+// see the file comment. rows < 2^31. Registers (sm_90a, no spills): one unit a lane fits 48
+// (5 blocks an SM, 40 KB of rows in flight); two units a lane take up to 79 for bf16 (3 blocks,
+// 48 KB), and capping them at 64 spills.
+template <class E, int V, int NU, bool NEOX, bool NORM>
+__global__ void __launch_bounds__(kBlock, (NU == 1 && V > 1) ? 5 : 1)
+    rope_kernel(const RopeParams p, const int tpr_log2) {
+  using Bits = typename E::Bits;
+  using P = Pack<Bits, V>;
+  const int tpr = 1 << tpr_log2;
+  const int lane = threadIdx.x & (tpr - 1);
+  const uint32_t row = blockIdx.x * (kBlock >> tpr_log2) + (threadIdx.x >> tpr_log2);
+  // Lanes of a row past the end stay for the norm's full-warp shuffles but touch no memory.
+  bool valid = row < p.rows;
+  if (!NORM && !valid) return;
+
+  // row -> token t, head h -> set, (o, i)
+  uint32_t t = 0, h = 0;
+  if (valid) {
+    t = p.div_heads.div(row);
+    h = row - t * p.div_heads.d;
+  }
+  const bool second = h >= p.heads0;
+  if (second) h -= p.heads0;
+  const FastDiv div_inner = second ? p.set[1].div_inner : p.set[0].div_inner;
+  const uint32_t o = div_inner.div(h), i = h - o * div_inner.d;
+  Bits* const x = static_cast<Bits*>(second ? p.set[1].x : p.set[0].x) +
+                  (int64_t(t) * (second ? p.set[1].s_tok : p.set[0].s_tok) +
+                   int64_t(o) * (second ? p.set[1].s_outer : p.set[0].s_outer) +
+                   int64_t(i) * (second ? p.set[1].s_inner : p.set[0].s_inner));
+  const Bits* const w = static_cast<const Bits*>(second ? p.set[1].w : p.set[0].w) +
+                        int64_t(o) * (second ? p.set[1].w_row : p.set[0].w_row);
+  const int64_t w_col = V == 1 ? (second ? p.set[1].w_col : p.set[0].w_col) : 1;
+
+  // This lane's units: element offsets of a and b in the row, first angle index.
+  int off_a[NU], off_b[NU], ang0[NU];
+  bool act[NU];
+#pragma unroll
+  for (int j = 0; j < NU; ++j) {
+    const int u = j * tpr + lane;
+    ang0[j] = u * V;
+    // rope_ leaves the unrotated tail alone (NeoX tail units; GPT-J units past R/2).
+    act[j] = valid && u < p.units && (NORM || ang0[j] < p.half);
+    if (NEOX) {
+      off_a[j] = ang0[j] < p.half ? ang0[j] : p.rot_dim + (ang0[j] - p.half);
+      off_b[j] = off_a[j] + (ang0[j] < p.half ? p.half : p.tail_half);
+    } else {
+      off_a[j] = 2 * ang0[j];
+      off_b[j] = 2 * ang0[j] + V;
+    }
+  }
+
+  // The row first (the long wait), then the position and the weights.
+  Unit<Bits, V> cur[NU];
+#pragma unroll
+  for (int j = 0; j < NU; ++j) {
+    if (act[j]) {
+      cur[j].a = load_vec<Bits, V>(x + off_a[j]);
+      cur[j].b = load_vec<Bits, V>(x + off_b[j]);
+    } else {
+      cur[j].a.raw = typename P::Raw{};
+      cur[j].b.raw = typename P::Raw{};
+    }
+  }
+  int64_t pos = -1;
+  if (valid) pos = __ldg(p.pos + int64_t(t) * p.pos_stride);
+  const bool rot = pos >= 0 && pos < p.n_pos;
+  if (!NORM && !rot) return;  // rope_: the token stays as it is
+
+  if (NORM) {  // cur <- y = T(T(x * rstd) * w)
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < NU; ++j) {
+#pragma unroll
+      for (int k = 0; k < 2 * V; ++k) {
+        const float f = E::to_float(cur[j][k]);
+        ss = fmaf(f, f, ss);
+      }
+    }
+#pragma unroll
+    for (int m = 16; m >= 1; m >>= 1)
+      if (m < tpr) ss += __shfl_xor_sync(0xffffffffu, ss, m);  // xor < tpr stays in the group
+    const float rstd = rsqrtf(ss * p.inv_d + p.eps);
+    // The weights (L1-resident) only now: fewer registers live across the sum.
+#pragma unroll
+    for (int j = 0; j < NU; ++j) {
+      if (!act[j]) continue;
+      Unit<Bits, V> wt;
+      wt.a = load_weight<Bits, V>(w + off_a[j] * w_col);
+      wt.b = load_weight<Bits, V>(w + off_b[j] * w_col);
+#pragma unroll
+      for (int k = 0; k < 2 * V; ++k) {
+        const float n = E::to_float(E::from_float(E::to_float(cur[j][k]) * rstd));
+        cur[j][k] = E::from_float(n * E::to_float(wt[k]));
+      }
+    }
+    if (!valid) return;  // (after the last shuffle)
+  }
+
+  // Rotate with this lane's cos/sin (read after the norm: fewer registers live at once);
+  // angles >= R/2 are never rotated, so never read.
+  const float* cs = p.cs + (rot ? pos : 0) * p.cs_row;
+#pragma unroll
+  for (int j = 0; j < NU; ++j) {
+    if (!act[j]) continue;
+    float cv[V], sv[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      cv[k] = 1.f;
+      sv[k] = 0.f;
+    }
+    if (rot) {
+      bool done = false;
+      if constexpr (V % 4 == 0) {
+        if (p.cs_vec4) {
+#pragma unroll
+          for (int q = 0; q < V; q += 4) {
+            if (ang0[j] + q < p.half) {  // R/2 % 4 == 0 here: 4 angles all in or all out
+              const float4 c4 = __ldg(reinterpret_cast<const float4*>(cs + ang0[j] + q));
+              const float4 s4 = __ldg(reinterpret_cast<const float4*>(cs + p.half + ang0[j] + q));
+              cv[q] = c4.x, cv[q + 1] = c4.y, cv[q + 2] = c4.z, cv[q + 3] = c4.w;
+              sv[q] = s4.x, sv[q + 1] = s4.y, sv[q + 2] = s4.z, sv[q + 3] = s4.w;
+            }
+          }
+          done = true;
+        }
+      }
+      if (!done) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          if (ang0[j] + k < p.half) {
+            cv[k] = __ldg(cs + int64_t(ang0[j] + k) * p.cs_col);
+            sv[k] = __ldg(cs + int64_t(p.half + ang0[j] + k) * p.cs_col);
+          }
+        }
+      }
+    }
+    Unit<Bits, V> out;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {  // pair k: elements i1, i2 of the unit, angle ang0 + k
+      const int i1 = NEOX ? k : 2 * k, i2 = NEOX ? V + k : 2 * k + 1;
+      if (rot && ang0[j] + k < p.half) {
+        const float f1 = E::to_float(cur[j][i1]), f2 = E::to_float(cur[j][i2]);
+        out[i1] = E::from_float(__fsub_rn(__fmul_rn(f1, cv[k]), __fmul_rn(f2, sv[k])));
+        out[i2] = E::from_float(__fadd_rn(__fmul_rn(f2, cv[k]), __fmul_rn(f1, sv[k])));
+      } else {
+        out[i1] = cur[j][i1];
+        out[i2] = cur[j][i2];
+      }
+    }
+    *reinterpret_cast<typename P::Raw*>(x + off_a[j]) = out.a.raw;
+    *reinterpret_cast<typename P::Raw*>(x + off_b[j]) = out.b.raw;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side: argument checks in the words of dflash_ops/ops/_checks.py, then the launch.
+
+const char* dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kBFloat16: return "bfloat16";
+    case at::kHalf: return "float16";
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kLong: return "int64";
+    case at::kInt: return "int32";
+    case at::kShort: return "int16";
+    case at::kChar: return "int8";
+    case at::kByte: return "uint8";
+    case at::kBool: return "bool";
+    default: return c10::toString(t);
+  }
+}
+
+// Python's repr of a tuple / list of ints: (5, 64), (5,), [5, 64].
+std::string py_tuple(c10::IntArrayRef v) {
+  std::ostringstream s;
+  s << "(";
+  for (size_t i = 0; i < v.size(); ++i) s << (i ? ", " : "") << v[i];
+  s << (v.size() == 1 ? ",)" : ")");
+  return s.str();
+}
+std::string py_list(c10::IntArrayRef v) {
+  std::ostringstream s;
+  s << "[";
+  for (size_t i = 0; i < v.size(); ++i) s << (i ? ", " : "") << v[i];
+  s << "]";
+  return s.str();
+}
+
+constexpr std::initializer_list<at::ScalarType> kFloatTypes = {at::kBFloat16, at::kHalf,
+                                                               at::kFloat};
+
+// _checks.tensor: rank, dtype, device, shape, unit last stride, in that order. device: the one
+// t must be on; nullptr: t is the op's first tensor and must be a CUDA tensor.
+void check_tensor(const char* op, const std::string& name, const at::Tensor& t, int64_t rank,
+                  std::initializer_list<at::ScalarType> dtypes, const at::Device* device,
+                  c10::IntArrayRef shape = {}, bool last_contiguous = false) {
+  if (rank >= 0) {
+    TORCH_CHECK_VALUE(t.dim() == rank, "dflash.", op, ": ", name, " must have rank ", rank,
+                      ", got rank ", t.dim(), " (shape ", py_tuple(t.sizes()), ")");
+  }
+  if (dtypes.size() > 0) {
+    bool ok = false;
+    std::string names;
+    for (const at::ScalarType d : dtypes) {
+      ok = ok || t.scalar_type() == d;
+      names += (names.empty() ? "" : "/") + std::string(dtype_name(d));
+    }
+    TORCH_CHECK_VALUE(ok, "dflash.", op, ": ", name, " must be ", names, ", got ",
+                      dtype_name(t.scalar_type()));
+  }
+  if (device == nullptr) {
+    TORCH_CHECK_VALUE(t.is_cuda(), "dflash.", op, ": ", name,
+                      " must be a CUDA tensor, got device ", t.device());
+  } else {
+    TORCH_CHECK_VALUE(t.device() == *device, "dflash.", op, ": ", name, " must be on ", *device,
+                      ", got ", t.device());
+  }
+  if (!shape.empty()) {
+    TORCH_CHECK_VALUE(t.sizes() == shape, "dflash.", op, ": ", name, " must have shape ",
+                      py_list(shape), ", got ", py_list(t.sizes()));
+  }
+  if (last_contiguous) {
+    TORCH_CHECK_VALUE(t.numel() == 0 || t.dim() == 0 || t.stride(-1) == 1 || t.size(-1) <= 1,
+                      "dflash.", op, ": ", name,
+                      " must have unit stride in its last dimension, got strides ",
+                      py_tuple(t.strides()));
+  }
+}
+
+void check_same_dtype(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
+                      const at::Tensor& ref) {
+  TORCH_CHECK_VALUE(t.scalar_type() == ref.scalar_type(), "dflash.", op, ": ", name,
+                    " must have the dtype of ", ref_name, " (", dtype_name(ref.scalar_type()),
+                    "), got ", dtype_name(t.scalar_type()));
+}
+
+// _check_heads: x[T, ..., D] float, unit stride in D, D a supported head_dim.
+void check_heads(const char* op, const char* name, const at::Tensor& x, int64_t rank,
+                 const at::Device* device) {
+  check_tensor(op, name, x, rank, kFloatTypes, device, {}, /*last_contiguous=*/true);
+  const int64_t d = x.size(-1);
+  TORCH_CHECK_VALUE(d == 16 || d == 32 || d == 64 || d == 128 || d == 256, "dflash.", op, ": ",
+                    name, " head_dim must be one of [16, 32, 64, 128, 256], got ", d);
+}
+
+// Python's repr of a float, near enough: the shortest round-tripping %g, and "-1.0" not "-1".
+std::string py_float(double v) {
+  std::string s;
+  for (int prec = 1; prec <= 17; ++prec) {
+    std::ostringstream o;
+    o.precision(prec);
+    o << v;
+    s = o.str();
+    if (std::strtod(s.c_str(), nullptr) == v) break;
+  }
+  if (s.find_first_of(".eni") == std::string::npos) s += ".0";
+  return s;
+}
+
+void check_eps(const char* op, double eps) {
+  TORCH_CHECK_VALUE(eps >= 0.0, "dflash.", op, ": eps must be >= 0, got ", py_float(eps));
+}
+
+// _check_pos: positions [T] int64, cos_sin_cache [P, R] fp32 with R even, 0 < R <= D, P > 0.
+void check_positions(const char* op, const at::Tensor& positions,
+                     const at::Tensor& cos_sin_cache, int64_t t, int64_t d,
+                     const at::Device& device) {
+  check_tensor(op, "positions", positions, 1, {at::kLong}, &device);
+  TORCH_CHECK_VALUE(positions.size(0) == t, "dflash.", op, ": positions must have ", t,
+                    " entries (one per token), got ", positions.size(0));
+  check_tensor(op, "cos_sin_cache", cos_sin_cache, 2, {at::kFloat}, &device);
+  const int64_t r = cos_sin_cache.size(1);
+  TORCH_CHECK_VALUE(cos_sin_cache.size(0) > 0, "dflash.", op,
+                    ": cos_sin_cache must have at least one position row, got shape [0, R]");
+  TORCH_CHECK_VALUE(r % 2 == 0 && r > 0 && r <= d, "dflash.", op,
+                    ": cos_sin_cache must have an even number of columns R with 0 < R <= "
+                    "head_dim (", d, "), got R = ", r);
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// One head set's description for the launcher.
+struct SetArg {
+  const at::Tensor* x = nullptr;  // [T, Hx, D] or, with outer, [T, L, Hkv, D]
+  const at::Tensor* w = nullptr;  // [D] or [L, D] (norm ops)
+  bool outer = false;
+};
+
+template <class E, int V, int NU>
+void launch_kernel(const RopeParams& p, bool neox, bool norm, int tpr_log2, unsigned blocks,
+                   cudaStream_t stream) {
+  const dim3 grid(blocks), block(kBlock);
+  if (neox) {
+    norm ? rope_kernel<E, V, NU, true, true><<<grid, block, 0, stream>>>(p, tpr_log2)
+         : rope_kernel<E, V, NU, true, false><<<grid, block, 0, stream>>>(p, tpr_log2);
+  } else {
+    norm ? rope_kernel<E, V, NU, false, true><<<grid, block, 0, stream>>>(p, tpr_log2)
+         : rope_kernel<E, V, NU, false, false><<<grid, block, 0, stream>>>(p, tpr_log2);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// nu: units a lane (vector path 1 or 2, scalar path 4).
+template <class E>
+void launch_dtype(const RopeParams& p, bool vec, int nu, bool neox, bool norm, int tpr_log2,
+                  unsigned blocks, cudaStream_t stream) {
+  constexpr int kVec = 16 / static_cast<int>(sizeof(typename E::Bits));
+  if (!vec) {
+    launch_kernel<E, 1, 4>(p, neox, norm, tpr_log2, blocks, stream);
+  } else if constexpr (kVec == 4) {  // fp32: one unit a lane (the host asks for no more)
+    launch_kernel<E, kVec, 1>(p, neox, norm, tpr_log2, blocks, stream);
+  } else if (nu == 1) {
+    launch_kernel<E, kVec, 1>(p, neox, norm, tpr_log2, blocks, stream);
+  } else {
+    launch_kernel<E, kVec, 2>(p, neox, norm, tpr_log2, blocks, stream);
+  }
+}
+
+// Units a lane on the 16-bit vector path: 2 (64 bytes of a row in flight a lane; D = 128 bf16:
+// 4 lanes a row), or DFLASH_OPS_ROPE_LANE_UNITS=1|2 for tuning sweeps; read once. (fp32: 1.)
+int vector_lane_units() {
+  static const int n = [] {
+    const char* v = std::getenv("DFLASH_OPS_ROPE_LANE_UNITS");
+    const int u = v ? std::atoi(v) : 2;
+    return u == 1 || u == 2 ? u : 2;
+  }();
+  return n;
+}
+
+// Builds the parameters and launches; the arguments are checked. sets[1].x may be null; a set
+// may have no heads. what: the tensors' names, for the one error left (too many rows).
+void run(const char* op, const char* what, const SetArg (&sets)[2], const at::Tensor& positions,
+         const at::Tensor& cos_sin_cache, double eps, bool is_neox, bool norm) {
+  const at::Tensor& x0 = *sets[0].x;
+  const int64_t t = x0.size(0), d = x0.size(-1);
+  const int64_t r = cos_sin_cache.size(1);
+  const int64_t es = x0.element_size();
+  const int64_t vmax = 16 / es;
+
+  RopeParams p{};
+  p.half = static_cast<int>(r / 2);
+  p.rot_dim = static_cast<int>(r);
+  p.tail_half = static_cast<int>((d - r) / 2);
+  p.inv_d = static_cast<float>(1.0 / static_cast<double>(d));
+  p.eps = static_cast<float>(eps);
+  p.pos = positions.data_ptr<int64_t>();
+  p.pos_stride = positions.stride(0);
+  p.cs = cos_sin_cache.data_ptr<float>();
+  p.n_pos = cos_sin_cache.size(0);
+  p.cs_row = p.n_pos > 1 ? cos_sin_cache.stride(0) : 0;
+  p.cs_col = cos_sin_cache.stride(1);
+  p.cs_vec4 = p.cs_col == 1 && aligned16(p.cs) && p.cs_row % 4 == 0 && p.half % 4 == 0;
+
+  // The vector path needs every row and weight row on 16-byte boundaries and, for NeoX, both
+  // the halves and the tail halves in whole vectors.
+  bool vec = !is_neox || (p.half % vmax == 0 && p.tail_half % vmax == 0);
+  int64_t heads = 0;  // per token, both sets
+  for (int s = 0; s < 2; ++s) {
+    HeadSet& h = p.set[s];
+    h.div_inner = make_fast_div(1);
+    if (sets[s].x == nullptr) continue;
+    const at::Tensor& x = *sets[s].x;
+    const int64_t n_outer = sets[s].outer ? x.size(1) : 1;
+    const int64_t n_inner = x.size(sets[s].outer ? 2 : 1);
+    h.x = x.data_ptr();
+    h.s_tok = t > 1 ? x.stride(0) : 0;
+    h.s_outer = sets[s].outer && n_outer > 1 ? x.stride(1) : 0;
+    h.s_inner = n_inner > 1 ? x.stride(sets[s].outer ? 2 : 1) : 0;
+    h.div_inner = make_fast_div(std::max<int64_t>(n_inner, 1));
+    vec = vec && aligned16(h.x) && h.s_tok % vmax == 0 && h.s_outer % vmax == 0 &&
+          h.s_inner % vmax == 0;
+    if (norm) {
+      const at::Tensor& w = *sets[s].w;
+      h.w = w.data_ptr();
+      h.w_row = w.dim() == 2 && w.size(0) > 1 ? w.stride(0) : 0;
+      h.w_col = w.stride(-1);
+      vec = vec && aligned16(h.w) && h.w_row % vmax == 0 && h.w_col == 1;
+    }
+    if (s == 0) p.heads0 = static_cast<uint32_t>(n_outer * n_inner);
+    heads += n_outer * n_inner;
+  }
+  const int64_t rows = t * heads;
+  if (rows == 0) return;
+  TORCH_CHECK_VALUE(rows < std::numeric_limits<int32_t>::max(), "dflash.", op, ": ", what,
+                    " hold too many head rows (", rows, ") for one launch; split the call over "
+                    "tokens");
+  p.rows = static_cast<uint32_t>(rows);
+  p.div_heads = make_fast_div(heads);
+
+  // Lanes per row: the units of a row (D / (2V) <= 32 with vectors, <= 128 scalar) over
+  // lanes with nu units each, at most 32 lanes.
+  const int v = vec ? static_cast<int>(vmax) : 1;
+  p.units = static_cast<int>(d / (2 * v));
+  const int nu = !vec ? 4 : es == 4 ? 1 : std::min(vector_lane_units(), p.units);
+  int tpr_log2 = 0;
+  while ((1 << tpr_log2) * nu < p.units && tpr_log2 < 5) ++tpr_log2;
+  const int64_t rows_per_block = kBlock >> tpr_log2;
+  const unsigned blocks = static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block);
+  const int dev = x0.get_device();
+
+  const c10::cuda::CUDAGuard guard(x0.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
+  switch (x0.scalar_type()) {
+    case at::kBFloat16:
+      launch_dtype<BF16>(p, vec, nu, is_neox, norm, tpr_log2, blocks, stream);
+      break;
+    case at::kHalf:
+      launch_dtype<F16>(p, vec, nu, is_neox, norm, tpr_log2, blocks, stream);
+      break;
+    default:
+      launch_dtype<F32>(p, vec, nu, is_neox, norm, tpr_log2, blocks, stream);
+      break;
+  }
+}
+
+}  // namespace
+
+void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_sin_cache,
+           bool is_neox) {
+  constexpr const char* op = "rope_";
+  // x: [T, Hx, D]; positions: [T] int64; cos_sin_cache: [P, R] fp32
+  check_heads(op, "x", x, 3, nullptr);
+  check_positions(op, positions, cos_sin_cache, x.size(0), x.size(-1), x.device());
+  if (x.numel() == 0) return;
+  const SetArg sets[2] = {{&x, nullptr, false}, {}};
+  run(op, "x", sets, positions, cos_sin_cache, 0.0, is_neox, /*norm=*/false);
+}
+
+void qk_norm_rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& q_weight,
+                   const at::Tensor& k_weight, const at::Tensor& positions,
+                   const at::Tensor& cos_sin_cache, double eps, bool is_neox) {
+  constexpr const char* op = "qk_norm_rope_";
+  // q: [T, Hq, D]; k: [T, Hkv, D]; q_weight, k_weight: [D]
+  check_heads(op, "q", q, 3, nullptr);
+  const at::Device device = q.device();
+  check_heads(op, "k", k, 3, &device);
+  check_same_dtype(op, "k", k, "q", q);
+  const int64_t d = q.size(-1);
+  TORCH_CHECK_VALUE(k.size(0) == q.size(0) && k.size(2) == d, "dflash.", op,
+                    ": k must be [T=", q.size(0), ", Hkv, D=", d, "] like q, got ",
+                    py_list(k.sizes()));
+  check_tensor(op, "q_weight", q_weight, -1, {}, &device, {d});
+  check_same_dtype(op, "q_weight", q_weight, "q", q);
+  check_tensor(op, "k_weight", k_weight, -1, {}, &device, {d});
+  check_same_dtype(op, "k_weight", k_weight, "q", q);
+  check_eps(op, eps);
+  check_positions(op, positions, cos_sin_cache, q.size(0), d, device);
+  if (q.numel() == 0 && k.numel() == 0) return;
+  const SetArg sets[2] = {{&q, &q_weight, false}, {&k, &k_weight, false}};
+  run(op, "q and k", sets, positions, cos_sin_cache, eps, is_neox, /*norm=*/true);
+}
+
+void knorm_rope_(at::Tensor& k, const at::Tensor& k_weight, const at::Tensor& positions,
+                 const at::Tensor& cos_sin_cache, double eps, bool is_neox) {
+  constexpr const char* op = "knorm_rope_";
+  // k: [T, L, Hkv, D] (e.g. kv[:, :, 0] of a [T, L, 2, Hkv, D] GEMM output); k_weight: [L, D]
+  check_heads(op, "k", k, 4, nullptr);
+  const at::Device device = k.device();
+  const int64_t d = k.size(3);
+  check_tensor(op, "k_weight", k_weight, -1, {}, &device, {k.size(1), d});
+  check_same_dtype(op, "k_weight", k_weight, "k", k);
+  check_eps(op, eps);
+  check_positions(op, positions, cos_sin_cache, k.size(0), d, device);
+  if (k.numel() == 0) return;
+  const SetArg sets[2] = {{&k, &k_weight, true}, {}};
+  run(op, "k", sets, positions, cos_sin_cache, eps, is_neox, /*norm=*/true);
+}
+
+}  // namespace dflash_ops
