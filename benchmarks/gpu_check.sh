@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one script run on the H200 (device tool): install (builds dflash_ops._C), info, check, the
 # GPU tests, the benchmarks. Logs and result tables go under $OUT (at most 8 files come back).
-# Usage: bash benchmarks/gpu_check.sh [tests|bench|sweep|all]   (default all: tests + bench)
+# Usage: bash benchmarks/gpu_check.sh [tests|bench|ctx|sweep|cmake|all]   (all: tests + bench + ctx)
+# Set DFLASH_OPS_COMMIT (the device copy has no .git) so result files name the commit.
 set -uo pipefail
 OUT=${OUT:-/tmp/dflash-gpu-out}
 mkdir -p "$OUT"
@@ -20,7 +21,8 @@ echo "install: $(( $(date +%s) - t0 )) s"
 { python3 -m dflash_ops info; python3 -m dflash_ops check; } 2>&1 | tee "$OUT/info_check.log"
 rc=0
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest_gpu.log"
+  timeout 400 python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=10 tests 2>&1 \
+    | tee "$OUT/pytest_gpu.log"
   rc=${PIPESTATUS[0]}
   echo "tests: $(( $(date +%s) - t0 )) s"
 fi
@@ -29,6 +31,17 @@ if [ "$what" = sweep ]; then
     for nv in 1 4; do DFLASH_OPS_NORM_LANE_VECS=$nv python3 benchmarks/sweep_norm.py --cuda-only; done
   } 2>&1 | tee "$OUT/sweep.log"
   echo "sweep: $(( $(date +%s) - t0 )) s"
+fi
+if [ "$what" = cmake ]; then  # the C++ library build of README's CMake section
+  { cmake -S . -B /tmp/dflash-cmake \
+      -DCMAKE_PREFIX_PATH="$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')" \
+    && cmake --build /tmp/dflash-cmake -j 8; echo "cmake rc=$?"; } >"$OUT/cmake.log" 2>&1
+  tail -3 "$OUT/cmake.log"
+fi
+if [ "$what" = all ] || [ "$what" = ctx ]; then
+  timeout 300 python3 benchmarks/bench_context_kv.py ${BENCH_ARGS:-} --out "$OUT/results" 2>&1 \
+    | tee "$OUT/bench_ctx.log"
+  echo "bench ctx: $(( $(date +%s) - t0 )) s"
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   python3 benchmarks/bench_norm.py --out "$OUT/results" 2>&1 | tee "$OUT/bench_norm.log"

@@ -40,6 +40,10 @@ SUITES = {
     "norm": ("dflash_ops.bench.norm",
              "rms_norm (K-norm [T,40,128] w[5,128]; hidden [T,4096]) and fused_add_rms_norm_: "
              "cuda / triton vs torch eager, torch.compile, Liger, floor; host overhead"),
+    "context_kv": ("dflash_ops.bench.context_kv",
+                   "knorm_rope_ (k = kv[:,:,0]), qk_norm_rope_ (QKV slices), store_kv_ (vLLM "
+                   "caches): Qwen3-8B / gpt-oss-20b-DFlash shapes; cuda / triton vs torch eager, "
+                   "torch.compile, unfused chains, Liger, floor; host overhead"),
 }
 
 

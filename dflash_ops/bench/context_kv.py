@@ -1,0 +1,465 @@
+"""Context K/V suite: ``knorm_rope_``, ``qk_norm_rope_`` and ``store_kv_`` standalone, our backends
+against the baselines (the fused GEMM op ``context_kv_`` is future work).
+
+Shapes: the Qwen3-8B drafter (L 5, Hkv 8, D 128) and gpt-oss-20b-DFlash (L 8, Hkv 8, D 64); the
+QKV buffer has Hq = 32 for both; T = 1 ... 16384 tokens; bf16; NeoX rotary over the whole head,
+positions a contiguous run (a prefill chunk) at a random offset of a 32768-row fp32 cos/sin table.
+
+Tables, one per op and model:
+* ``knorm_rope_`` in place on k = kv[:, :, 0] of the K/V GEMM output [T, L, 2, Hkv, D], wk[L, D].
+* ``qk_norm_rope_`` in place on the q and k slices of a fused QKV output [T, (Hq + 2*Hkv) * D].
+* ``store_kv_`` of kv[:, :, 0] / kv[:, :, 1] into L caches [num_blocks, 16, Hkv, D], views of one
+  vLLM-style [num_blocks, 2, 16, Hkv, D] tensor per layer; slots are a prefill's: shuffled blocks,
+  consecutive rows (every slot valid).
+Columns: our ``cuda`` and ``triton`` (n/a when the kernel is missing), the PyTorch reference eager,
+torch.compile of it (in-place ops: a compiled function that does the out-of-place math and copies
+back), unfused chains of our own kernels (what a serving engine runs: per-tensor RMSNorm + RoPE;
+vLLM-style per-layer cache writes as index_put), Liger-Kernel (RMSNorm + LigerRopeFunction), a
+copy of the same bytes, and the floor. Every column is checked against the reference on the
+benchmark's own inputs before it is timed (store_kv_: bit-exact caches).
+
+Bytes (the floor's numerator): knorm_rope_ reads and writes T*L*Hkv*D elements (+ T cos/sin rows,
+positions, weights); qk_norm_rope_ T*(Hq + Hkv)*D in and out (+ the same extras); store_kv_ reads
+2*T*L*Hkv*D and writes as many (+ slots).
+
+``DFLASH_OPS_BENCH_MODELS`` (comma-separated names of ``MODELS``) restricts the models; the
+results are then written as ``context_kv-<model>.md/.json/.png``. A full run of both models is
+estimated at ~10 minutes on the H200 (torch.compile compiles every shape); ``--quick`` ~half.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import torch
+
+from .. import dispatch
+from ..ops.kv import store_kv_ref
+from ..ops.norm import rms_norm_ref
+from ..ops.rope import make_cos_sin_cache, rope_values
+from .harness import (Results, floor_us, host_overhead_us, l2_bytes, measure_floors, rotating,
+                      time_fn)
+from .norm import Impl, _compile, _forced, _max_err, _msg
+
+EPS = 1e-6
+HQ = 32
+BLOCK_SIZE = 16
+MAX_POS = 32768
+MODELS = {"Qwen3-8B": (5, 8, 128), "gpt-oss-20b-DFlash": (8, 8, 64)}  # name: (L, Hkv, D)
+TS = (1, 16, 64, 256, 1024, 4096, 16384)
+QUICK_TS = (1, 256, 4096, 16384)
+GRAPH = True  # CUDA-graph replay at every size, as the norm suite (launch-bound small T)
+BF16 = torch.bfloat16
+DEVICE = "cuda"
+
+
+def _models():
+    want = [m.strip() for m in os.environ.get("DFLASH_OPS_BENCH_MODELS", "").split(",") if m.strip()]
+    unknown = [m for m in want if m not in MODELS]
+    if unknown:
+        raise ValueError(f"DFLASH_OPS_BENCH_MODELS: unknown {unknown}; models are {list(MODELS)}")
+    return {m: MODELS[m] for m in (want or MODELS)}
+
+
+def _rnd(*shape):
+    return torch.randn(*shape, dtype=BF16, device=DEVICE)  # never zeros
+
+
+def _positions(t: int) -> torch.Tensor:
+    start = int(torch.randint(0, MAX_POS - t + 1, (1,)))
+    return torch.arange(start, start + t, dtype=torch.int64, device=DEVICE)
+
+
+def _liger():
+    """(LigerRMSNormFunction.apply, LigerRopeFunction.apply, why missing)."""
+    try:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction as RN
+        from liger_kernel.ops.rope import LigerRopeFunction as RP
+        return RN.apply, RP.apply, None
+    except Exception as e:  # noqa: BLE001 - not installed, or an import-time failure
+        return None, None, f"liger-kernel unavailable ({_msg(e)})"
+
+
+def _liger_rope(rope, q, k, cache, pos):
+    """Liger's NeoX rope on q[T, Hq, D] and k[T, Hkv, D], both contiguous: viewed as [1, H, T, D]
+    (its layout; contiguous after its internal transpose, so no copy), rotated in place. cos/sin:
+    the table rows gathered per token, first R/2 columns each (rotary_dim = R passed)."""
+    t, d = q.shape[0], q.shape[-1]
+    r = cache.shape[1]
+    cs = cache[pos]
+    qo, ko = rope(q.view(1, t, -1, d).transpose(1, 2), k.view(1, t, -1, d).transpose(1, 2),
+                  cs[:, :r // 2], cs[:, r // 2:], None, 1, r)
+    return qo.transpose(1, 2)[0], ko.transpose(1, 2)[0]
+
+
+def _chain_name(*ops) -> str:
+    return " + ".join(f"{op}[{dispatch.resolve(op)}]" for op in ops)
+
+
+# ----------------------------------------------------------------------------- knorm_rope_
+def _knorm_math(kv, w, pos, cache):
+    """The reference's math, out of place, copied back into k = kv[:, :, 0] (for torch.compile)."""
+    k = kv[:, :, 0]
+    k.copy_(rope_values(rms_norm_ref(k, w, EPS), pos, cache, True))
+
+
+def _knorm_impls(n_layers, hkv, d, w, cache, dummy_k):
+    op = "knorm_rope_"
+    ref_ = dispatch.ops()[op].impls["torch"]
+
+    def ref(kv, pos):
+        k = kv[:, :, 0]
+        ref_(k, w, pos, cache, EPS, True)
+        return k
+
+    def ours(kv, pos):
+        k = kv[:, :, 0]
+        torch.ops.dflash.knorm_rope_.default(k, w, pos, cache, EPS, True)
+        return k
+
+    compiled = _compile(_knorm_math)
+
+    def comp(kv, pos):
+        compiled(kv, w, pos, cache)
+        return kv[:, :, 0]
+
+    def chain(kv, pos):  # one batched norm (per-layer weight rows) + one rope over L*Hkv heads
+        y = torch.ops.dflash.rms_norm.default(kv[:, :, 0], w, EPS).contiguous()
+        torch.ops.dflash.rope_.default(y.view(y.shape[0], -1, d), pos, cache, True)
+        return y
+
+    def per_layer(kv, pos):  # vLLM's per-layer attention: k_norm, then rotary, layer by layer
+        outs = []
+        for i in range(n_layers):
+            y = torch.ops.dflash.rms_norm.default(kv[:, i, 0], w[i], EPS)
+            torch.ops.dflash.rope_.default(y, pos, cache, True)
+            outs.append(y)
+        return tuple(outs)
+
+    def per_layer_ref(kv, pos):
+        return tuple(ref(kv, pos).unbind(1))
+
+    rn, rp, why = _liger()
+    w0 = w[0].contiguous()  # Liger's RMSNorm takes one weight row: same bytes
+    w0_all = w0.expand(n_layers, d)
+
+    def liger(kv, pos):
+        t = kv.shape[0]
+        y = rn(kv[:, :, 0].reshape(-1, d), w0, EPS, 0.0, "llama", False)  # reshape: a copy
+        yo, _ = _liger_rope(rp, y.view(t, -1, d), dummy_k[:t], cache, pos)
+        return yo.reshape(t, n_layers, hkv, d)
+
+    def liger_ref(kv, pos):
+        k = kv[:, :, 0]
+        ref_(k, w0_all, pos, cache, EPS, True)
+        return k
+
+    return [_forced(op, "cuda", ours, ref), _forced(op, "triton", ours, ref),
+            Impl("torch eager", ref, ref), Impl("torch.compile", comp, ref),
+            Impl(f"unfused: {_chain_name('rms_norm', 'rope_')}", chain, ref),
+            Impl(f"vllm-style per layer: {n_layers} x ({_chain_name('rms_norm', 'rope_')})",
+                 per_layer, per_layer_ref),
+            Impl("liger: reshape copy + RMSNorm + rope", liger, liger_ref, missing=why),
+            Impl("copy (same bytes)", lambda kv, pos: kv[:, :, 0].clone(), None)]
+
+
+# ----------------------------------------------------------------------------- qk_norm_rope_
+def _split_qkv(qkv, hkv, d):
+    x = qkv.view(qkv.shape[0], HQ + 2 * hkv, d)
+    return x[:, :HQ], x[:, HQ:HQ + hkv]
+
+
+def _qk_math(qkv, wq, wk, pos, cache, hkv: int, d: int):
+    q, k = _split_qkv(qkv, hkv, d)
+    q.copy_(rope_values(rms_norm_ref(q, wq, EPS), pos, cache, True))
+    k.copy_(rope_values(rms_norm_ref(k, wk, EPS), pos, cache, True))
+
+
+def _qk_impls(hkv, d, wq, wk, cache):
+    op = "qk_norm_rope_"
+    ref_ = dispatch.ops()[op].impls["torch"]
+
+    def ref(qkv, pos):
+        q, k = _split_qkv(qkv, hkv, d)
+        ref_(q, k, wq, wk, pos, cache, EPS, True)
+        return q, k
+
+    def ours(qkv, pos):
+        q, k = _split_qkv(qkv, hkv, d)
+        torch.ops.dflash.qk_norm_rope_.default(q, k, wq, wk, pos, cache, EPS, True)
+        return q, k
+
+    compiled = _compile(_qk_math)
+
+    def comp(qkv, pos):
+        compiled(qkv, wq, wk, pos, cache, hkv, d)
+        return _split_qkv(qkv, hkv, d)
+
+    def chain(qkv, pos):  # vLLM: q_norm, k_norm (out of place), then rotary on q and k
+        q, k = _split_qkv(qkv, hkv, d)
+        qn = torch.ops.dflash.rms_norm.default(q, wq, EPS)
+        kn = torch.ops.dflash.rms_norm.default(k, wk, EPS)
+        torch.ops.dflash.rope_.default(qn, pos, cache, True)
+        torch.ops.dflash.rope_.default(kn, pos, cache, True)
+        return qn, kn
+
+    rn, rp, why = _liger()
+
+    def liger(qkv, pos):
+        q, k = _split_qkv(qkv, hkv, d)
+        qn = rn(q.reshape(-1, d), wq, EPS, 0.0, "llama", False)  # reshape: a copy (strided rows)
+        kn = rn(k.reshape(-1, d), wk, EPS, 0.0, "llama", False)
+        return _liger_rope(rp, qn.view(q.shape), kn.view(k.shape), cache, pos)
+
+    return [_forced(op, "cuda", ours, ref), _forced(op, "triton", ours, ref),
+            Impl("torch eager", ref, ref), Impl("torch.compile", comp, ref),
+            Impl(f"vllm-style: 2 x rms_norm[{dispatch.resolve('rms_norm')}] + 2 x "
+                 f"rope_[{dispatch.resolve('rope_')}]", chain, ref),
+            Impl("liger: 2 x (reshape copy + RMSNorm) + rope(q, k)", liger, ref, missing=why),
+            Impl("copy (same bytes)",
+                 lambda qkv, pos: qkv[:, :(HQ + hkv) * d].clone(), None)]
+
+
+# ----------------------------------------------------------------------------- store_kv_
+def _caches(bufs):
+    return [b[:, 0] for b in bufs], [b[:, 1] for b in bufs]
+
+
+def _store_index_put(kv, slots, bufs):
+    """Per layer, K then V: ``cache[block, row] = x`` (index_put, no host sync; every slot valid)."""
+    blk, row = slots // BLOCK_SIZE, slots % BLOCK_SIZE
+    for i, b in enumerate(bufs):
+        b[:, 0][blk, row] = kv[:, i, 0]
+        b[:, 1][blk, row] = kv[:, i, 1]
+
+
+def _store_impls():
+    op = "store_kv_"
+
+    def ref(kv, slots, *bufs):
+        store_kv_ref(kv[:, :, 0], kv[:, :, 1], *_caches(bufs), slots)
+        return bufs
+
+    def ours(kv, slots, *bufs):
+        torch.ops.dflash.store_kv_.default(kv[:, :, 0], kv[:, :, 1], *_caches(bufs), slots)
+        return bufs
+
+    def index_put(kv, slots, *bufs):
+        _store_index_put(kv, slots, bufs)
+        return bufs
+
+    compiled = _compile(_store_index_put)
+
+    def comp(kv, slots, *bufs):
+        compiled(kv, slots, list(bufs))
+        return bufs
+
+    eager = Impl("torch eager (reference; syncs)", ref, ref)
+    eager.graph = False  # boolean-mask indexing synchronises: not capturable, event timing
+    return [_forced(op, "cuda", ours, ref), _forced(op, "triton", ours, ref), eager,
+            Impl("vllm-style: index_put per layer, K and V (eager)", index_put, ref),
+            Impl("torch.compile(index_put per layer)", comp, ref),
+            Impl("copy (same bytes)", lambda kv, slots, *bufs: kv.clone(), None)]
+
+
+# ----------------------------------------------------------------------------- measuring
+def _exact_err(got, want):
+    """(elements that differ bit for bit, tolerance 0)."""
+    bad = 0
+    for g, w in zip(got, want):
+        bad += int((g.view(torch.int16) != w.view(torch.int16)).sum())
+    return float(bad), 0.0
+
+
+def _measure(impl: Impl, sets, pristine, exact: bool, timing: dict):
+    """(time_fn dict or None, note, err): checked on clones of ``pristine`` against the
+    reference, then timed over ``sets`` (which in-place ops keep mutating)."""
+    if impl.missing:
+        return None, impl.missing, None
+    fresh = lambda: tuple(t.clone() for t in pristine)  # noqa: E731
+    graph = getattr(impl, "graph", GRAPH)
+    note = "" if graph else "event timing (not capturable)"
+    with impl.ctx():
+        try:
+            if impl.ref is None:
+                err, tol = 0.0, 1.0
+            else:
+                got, want = impl.fn(*fresh()), impl.ref(*fresh())
+                err, tol = _exact_err(got, want) if exact else _max_err(got, want)
+        except Exception as e:  # noqa: BLE001 - a broken column is reported, not fatal
+            return None, f"failed: {_msg(e)}", None
+        if not err <= tol:
+            what = "elements differ" if exact else "max abs err"
+            return None, f"WRONG: {what} {err:.3g} > tol {tol:.3g}; not timed", err
+        try:
+            return time_fn(impl.fn, rotate=sets, graph=graph, **timing), note, err
+        except Exception as e:  # noqa: BLE001
+            if not graph:
+                return None, f"failed: {_msg(e)}", err
+            note = f"graph capture failed ({_msg(e)}); event timing"
+        try:
+            return time_fn(impl.fn, rotate=sets, graph=False, **timing), note, err
+        except Exception as e:  # noqa: BLE001
+            return None, f"failed: {_msg(e)}", err
+
+
+def _table(res: Results, title: str, impls, cases, timing: dict, exact: bool = False) -> None:
+    """cases: (T, build_sets() -> the rotating input sets, bytes moved per call)."""
+    for t, build_sets, moved in cases:
+        sets = build_sets()
+        pristine = tuple(x.clone() for x in sets[0])
+        floor = floor_us(res.floors, moved)
+        for impl in impls:
+            tm, note, err = _measure(impl, sets, pristine, exact, timing)
+            res.add_time(title, f"T={t}", impl.name, tm, bytes_moved=moved, floor=floor,
+                         err=err, note=note, x=t)
+            us = f"{tm['us']:.2f} us ({tm['mode']})" if tm else "n/a"
+            print(f"[context_kv] {title.split(' ')[0]} T={t} {impl.name}: {us} {note}",
+                  file=sys.stderr, flush=True)
+        res.add_time(title, f"T={t}", "floor", {"us": floor, "mode": "bytes/copy"},
+                     bytes_moved=moved, floor=floor, x=t)
+        del sets, pristine
+        torch.cuda.empty_cache()
+
+
+def _host_table(res: Results) -> None:
+    """Host time per eager call of each op and backend, Qwen3-8B shapes at T = 16."""
+    n_layers, hkv, d = MODELS["Qwen3-8B"]
+    t = 16
+    title = f"host overhead per eager call, T={t}, L={n_layers}, Hkv={hkv}, D={d} bf16"
+    cache = make_cos_sin_cache(MAX_POS, d, device=DEVICE)
+    pos = _positions(t)
+    kv = _rnd(t, n_layers, 2, hkv, d)
+    qkv = _rnd(t, (HQ + 2 * hkv) * d)
+    q, k = _split_qkv(qkv, hkv, d)
+    wk, wq, wk1 = 1 + 0.5 * _rnd(n_layers, d), 1 + 0.5 * _rnd(d), 1 + 0.5 * _rnd(d)
+    bufs = [_rnd(2, 2, BLOCK_SIZE, hkv, d) for _ in range(n_layers)]
+    kcs, vcs = _caches(bufs)
+    slots = torch.randperm(2 * BLOCK_SIZE, device=DEVICE)[:t]
+    calls = {
+        "knorm_rope_": lambda: torch.ops.dflash.knorm_rope_.default(kv[:, :, 0], wk, pos, cache,
+                                                                    EPS, True),
+        "qk_norm_rope_": lambda: torch.ops.dflash.qk_norm_rope_.default(q, k, wq, wk1, pos, cache,
+                                                                        EPS, True),
+        "store_kv_": lambda: torch.ops.dflash.store_kv_.default(kv[:, :, 0], kv[:, :, 1], kcs,
+                                                                vcs, slots),
+    }
+    rows = [Impl("(calibration) x.mul(2): one aten kernel", lambda: kv.mul(2), None)]
+    for op, fn in calls.items():
+        rows.append(Impl(f"dflash.{op} default ({dispatch.resolve(op)})", fn, None))
+        for b in ("cuda", "triton", "torch"):
+            if op == "store_kv_" and b == "torch":
+                continue  # the reference synchronises: host time is then the GPU's
+            r = _forced(op, b, fn, None)
+            r.name = f"dflash.{op} {b}"
+            rows.append(r)
+    for r in rows:
+        us, note = None, r.missing or ""
+        if not r.missing:
+            with r.ctx():
+                try:
+                    us = host_overhead_us(r.fn)
+                except Exception as e:  # noqa: BLE001
+                    note = f"failed: {_msg(e)}"
+        res.add(title, impl=r.name, **{"host us": us}, note=note)
+
+
+def run(quick: bool = False) -> Results:
+    """Measure floors, then every table; returns the Results (the caller prints and writes)."""
+    floors = measure_floors()
+    models = _models()
+    # one model's run gets its own result files (context_kv-Qwen3-8B.md, ...)
+    suffix = "" if len(models) == len(MODELS) else "-" + "-".join(models)
+    res = Results("context_kv" + suffix, floors=floors)
+    timing = dict(warmup_ms=10, rep_ms=40) if quick else dict(warmup_ms=25, rep_ms=100)
+    ts = QUICK_TS if quick else TS
+    with torch.no_grad():
+        for model, (n_layers, hkv, d) in models.items():
+            cache = make_cos_sin_cache(MAX_POS, d, device=DEVICE)
+            extras = lambda t: t * d * 4 + t * 8  # noqa: E731 - a cos/sin row + a position a token
+            # knorm_rope_
+            w = 1 + 0.5 * _rnd(n_layers, d)
+            # Liger rotates q and k together: a zero 1-head k rides along (+ 1/(L*Hkv) bytes)
+            dummy_k = torch.zeros(max(ts), 1, d, dtype=BF16, device=DEVICE)
+            cases = []
+            for t in ts:
+                n = t * n_layers * hkv * d * 2
+                make = lambda t=t: (_rnd(t, n_layers, 2, hkv, d), _positions(t))  # noqa: E731
+                cases.append((t, lambda make=make, b=2 * n: rotating(make, b),
+                              2 * n + extras(t) + w.nbytes))
+            _table(res, f"knorm_rope_ {model}: k = kv[:,:,0] of [T,{n_layers},2,{hkv},{d}] bf16, "
+                        f"wk[{n_layers},{d}]", _knorm_impls(n_layers, hkv, d, w, cache, dummy_k),
+                   cases, timing)
+            # qk_norm_rope_
+            wq, wk = 1 + 0.5 * _rnd(d), 1 + 0.5 * _rnd(d)
+            cases = []
+            for t in ts:
+                n = t * (HQ + hkv) * d * 2
+                make = lambda t=t: (_rnd(t, (HQ + 2 * hkv) * d), _positions(t))  # noqa: E731
+                cases.append((t, lambda make=make, b=t * (HQ + 2 * hkv) * d * 2: rotating(make, b),
+                              2 * n + extras(t) + 2 * wq.nbytes))
+            _table(res, f"qk_norm_rope_ {model}: q,k slices of qkv[T,({HQ}+2*{hkv})*{d}] bf16",
+                   _qk_impls(hkv, d, wq, wk, cache), cases, timing)
+            # store_kv_
+            cases = []
+            for t in ts:
+                n = 2 * t * n_layers * hkv * d * 2
+                cases.append((t, lambda t=t, b=2 * n: _store_sets(t, n_layers, hkv, d, b),
+                              2 * n + t * 8))
+            _table(res, f"store_kv_ {model}: kv[T,{n_layers},2,{hkv},{d}] bf16 -> {n_layers} x "
+                        f"[blocks,2,{BLOCK_SIZE},{hkv},{d}] (vLLM NHD)", _store_impls(), cases,
+                   timing, exact=True)
+        _host_table(res)
+    res.notes += [
+        "timing: median per call of CUDA-graph replays (>= 32 calls a graph) at every size; "
+        "do_bench events only where capture fails or the column synchronises (said in the note); "
+        "inputs rotate over sets totalling >= 2x L2 (<= 1024 sets)",
+        "floor = bytes read + written / copy bandwidth of this run; x floor = us / floor; "
+        "copy (same bytes) = a clone of the input the op reads (the practical floor at that size)",
+        "err = max abs error against the torch reference on the timed inputs (bf16; columns past "
+        "2 bf16 ulps of the largest value are not timed); store_kv_: elements that differ (0)",
+        "positions: a contiguous run at a random offset of a 32768-row fp32 cos/sin table; NeoX, "
+        "rotary over the whole head; eps 1e-6; weights 1 + 0.5 * randn",
+        "unfused / vllm-style rows chain our own rms_norm and rope_ kernels (the backend each "
+        "resolves to is in brackets): the bytes of separate norm and rope passes, out of place "
+        "like vLLM's q_norm/k_norm (the output is a fresh tensor, not written back)",
+        "liger: LigerRMSNormFunction (casting_mode='llama', one weight row: liger has no "
+        "per-layer weight, same bytes) then LigerRopeFunction (HF NeoX) on [1, H, T, D] views; "
+        "strided q/k rows need a reshape copy first (its RMSNorm views rows as [-1, D]); cos/sin "
+        "gathered per token (cache[pos], part of the timed call); knorm: a zero 1-head k rides "
+        "along since Liger's rope rotates q and k together",
+        "torch.compile: default mode, dynamic=False (one static compile per shape); in-place ops "
+        "compile the reference math out of place plus a copy back into the view",
+        "store_kv_ vllm-style: per layer cache[:, 0][block, row] = k and cache[:, 1][...] = v "
+        "(2L index_put, what vLLM's torch fallback does; no -1 handling, the bench's slots are "
+        "all valid); the torch reference masks -1 / out-of-range slots with boolean indexing, "
+        "which synchronises, hence event timing",
+        "host us: CPU time to issue one eager call while the GPU is kept busy (see "
+        "dflash_ops.bench.harness.host_overhead_us)",
+    ]
+    return res
+
+
+def _n_sets(set_bytes: int) -> int:
+    """How many sets ``harness.rotating`` would make: together 2x L2, 2 to 1024."""
+    return min(max(math.ceil(2.0 * l2_bytes() / max(1, set_bytes)), 2), 1024)
+
+
+def _store_sets(t: int, n_layers: int, hkv: int, d: int, set_bytes: int) -> list:
+    """Sets (kv[T, L, 2, Hkv, D], slots[T], *L caches [num_blocks, 2, 16, Hkv, D]) that share
+    one set of caches, as a server has: each set writes a prefill's slots (consecutive rows of
+    its own shuffled blocks) into a disjoint part of them. Shared caches also keep kernels that
+    cache per-cache-set state (the Triton kernel's layer table) from rebuilding it in capture."""
+    n = _n_sets(set_bytes)
+    n_blk = -(-t // BLOCK_SIZE)
+    nb = n * n_blk + 2
+    bufs = tuple(_rnd(nb, 2, BLOCK_SIZE, hkv, d) for _ in range(n_layers))
+    perm = torch.randperm(nb, device=DEVICE)
+    i = torch.arange(t, device=DEVICE)
+    sets = []
+    for j in range(n):
+        blocks = perm[j * n_blk:(j + 1) * n_blk]
+        sets.append((_rnd(t, n_layers, 2, hkv, d),
+                     blocks[i // BLOCK_SIZE] * BLOCK_SIZE + i % BLOCK_SIZE, *bufs))
+    return sets
