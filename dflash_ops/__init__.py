@@ -19,6 +19,7 @@ dispatch._init_from_env()
 dispatch.note_cuda_extension_loaded()
 
 use_backend = dispatch.use_backend
+graph_backends = dispatch.graph_backends
 set_backend = dispatch.set_backend
 BackendUnavailableError = dispatch.BackendUnavailableError
 

@@ -30,12 +30,23 @@ import torch
 BACKENDS = ("torch", "triton", "cuda")
 NAMESPACE = "dflash"
 
-# Default backend per op on CUDA, from benchmarks/results (H200); ops absent here prefer cuda,
-# then triton, then torch. rms_norm / fused_add_rms_norm_ (results/norm.md, 2026-11-29): under
-# CUDA-graph replay the Triton kernel is 0-15% faster (K-norm T=16384: 80.5 vs 82.7 us), but an
-# eager call costs ~120 us of host time through the Python router + Triton launcher against
-# ~16 us for the C++ kernel the dispatcher calls directly, so cuda is faster end to end eager.
-DEFAULT_CUDA: Dict[str, str] = {"rms_norm": "cuda", "fused_add_rms_norm_": "cuda"}
+# Default backend per op on CUDA tensors, from benchmarks/results (H200, 2026-11-29). Two
+# regimes, because the Triton kernels are the faster kernels while an eager Triton call costs
+# 65-120 us of host time (Python router + launcher) against 8-16 us for a C++ kernel that the
+# dispatcher calls directly (results/norm.md, context_kv-Qwen3-8B.md, "host overhead" tables):
+# * DEFAULT_CUDA (eager): the fastest per call including the host, i.e. the C++ kernels;
+# * GRAPH_CUDA: the fastest kernel under CUDA-graph replay, where host time is gone; used inside
+#   ``graph_backends()`` (wrap CUDA-graph capture in it). K-norm rms_norm [T,40,128]: triton
+#   1.36 vs 1.61 us at T=1, 80.5 vs 82.7 us at T=16384; knorm_rope_ / qk_norm_rope_: triton 1.6
+#   vs 3.0 us at T=1, 95.8 vs 119.8 us at T=16384; store_kv_: a tie at T >= 4096, cuda 1.8 vs
+#   2.0 us at T=1. rope_ shares the qk_norm_rope_ kernels (not benchmarked alone).
+# Ops absent from a table prefer cuda, then triton, then torch.
+DEFAULT_CUDA: Dict[str, str] = {
+    "rms_norm": "cuda", "fused_add_rms_norm_": "cuda", "rope_": "cuda", "qk_norm_rope_": "cuda",
+    "knorm_rope_": "cuda", "store_kv_": "cuda"}
+GRAPH_CUDA: Dict[str, str] = {
+    "rms_norm": "triton", "fused_add_rms_norm_": "triton", "rope_": "triton",
+    "qk_norm_rope_": "triton", "knorm_rope_": "triton", "store_kv_": "cuda"}
 _PREFERENCE = ("cuda", "triton", "torch")
 
 _lib = torch.library.Library(NAMESPACE, "DEF")
@@ -106,9 +117,15 @@ def _debug() -> bool:
     return os.environ.get("DFLASH_OPS_DEBUG", "0") == "1"
 
 
-def _forced(op: str) -> Optional[str]:
+class _CudaOnly(dict):
+    """A force that applies to CUDA tensors only (graph_backends)."""
+
+
+def _forced(op: str, device: str = "cuda") -> Optional[str]:
     if _force_stack:
         for forced in reversed(_force_stack):
+            if device != "cuda" and isinstance(forced, _CudaOnly):
+                continue
             if op in forced:
                 return forced[op]
             if None in forced:
@@ -136,7 +153,7 @@ def resolve(op: str, device: str = "cuda") -> str:
 
 
 def _resolve(op: str, device: str) -> str:
-    forced = _forced(op)
+    forced = _forced(op, device)
     if forced is not None:
         return forced
     if device != "cuda":
@@ -226,7 +243,12 @@ def use_backend(backend: str, ops: Optional[Iterable[str]] = None):
     The force is process-wide (the dispatcher's CUDA registration is), so do not open
     blocks from several threads at once.
     """
-    forced = {n: _check_backend(backend) for n in _check_ops(ops)}
+    with _pushed({n: _check_backend(backend) for n in _check_ops(ops)}):
+        yield
+
+
+@contextlib.contextmanager
+def _pushed(forced: dict):
     with _sync_lock:
         _force_stack.append(forced)
         sync()
@@ -239,6 +261,16 @@ def use_backend(backend: str, ops: Optional[Iterable[str]] = None):
                     del _force_stack[i]
                     break
             sync()
+
+
+@contextlib.contextmanager
+def graph_backends():
+    """Inside the block each op runs its fastest backend under CUDA-graph replay (GRAPH_CUDA),
+    where one is available; wrap CUDA-graph warm-up and capture in it. Process-wide like
+    use_backend; an explicit use_backend/set_backend opened inside it still wins."""
+    with _pushed(_CudaOnly((op, b) for op, b in GRAPH_CUDA.items()
+                           if op in _OPS and has_backend(op, b))):
+        yield
 
 
 def set_backend(backend: Optional[str], ops: Optional[Iterable[str]] = None) -> None:

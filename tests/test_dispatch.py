@@ -414,3 +414,26 @@ def test_schema_alias_annotations(op):
         assert len(schema.returns) == 0, f"{op}: in-place op returns something: {schema}"
     # naming rule: a trailing underscore marks exactly the ops that write their arguments
     assert op.endswith("_") == bool(written), f"{op}: name and schema disagree on mutation"
+
+
+# --------------------------------------------------------------------------- graph_backends
+def test_graph_backends_applies_graph_table_to_cuda_only():
+    from dflash_ops import dispatch
+
+    before = {op: dflash_ops.backend_for(op, "cuda") for op in dispatch.ops()}
+    x = torch.randn(3, 8, 64)
+    w = torch.randn(64)
+    with dflash_ops.graph_backends():
+        for op, want in dispatch.GRAPH_CUDA.items():
+            got = dflash_ops.backend_for(op, "cuda")
+            if dispatch.has_backend(op, want):
+                assert got == want, (op, got, want)
+            else:  # the graph choice is not installed here: normal resolution, no error
+                assert got == before[op], (op, got, before[op])
+            assert dflash_ops.backend_for(op, "cpu") == "torch"
+        # CPU calls keep running the reference inside the block
+        y = torch.ops.dflash.rms_norm(x, w, 1e-6)
+        with dflash_ops.use_backend("torch", ops=["rms_norm"]):  # an inner force still wins
+            assert dflash_ops.backend_for("rms_norm", "cuda") == "torch"
+    assert torch.equal(y, dflash_ops.ops.rms_norm_ref(x, w, 1e-6))
+    assert {op: dflash_ops.backend_for(op, "cuda") for op in dispatch.ops()} == before
