@@ -18,6 +18,8 @@
 // 64-bit bytes (a cache may pass 2^31 elements).
 #include "dflash_ops.h"
 
+#include "common.cuh"
+
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -32,35 +34,10 @@
 namespace dflash_ops {
 namespace {
 
+using namespace detail;  // common.cuh
+
 // ---------------------------------------------------------------------------------------------
 // Device side: no framework types.
-
-template <int BYTES> struct RawOf;
-template <> struct RawOf<16> { using type = uint4; };
-template <> struct RawOf<8> { using type = uint2; };
-template <> struct RawOf<4> { using type = uint32_t; };
-template <> struct RawOf<2> { using type = uint16_t; };
-
-// n / d for n < 2^31, 1 <= d < 2^31 by a multiply and a shift (as in norm.cu).
-struct FastDiv {
-  uint32_t d = 1, m = 1, s = 0;
-  __host__ __device__ __forceinline__ uint32_t div(uint32_t n) const {
-#ifdef __CUDA_ARCH__
-    return (__umulhi(n, m) + n) >> s;
-#else
-    return (static_cast<uint32_t>((uint64_t{n} * m) >> 32) + n) >> s;
-#endif
-  }
-};
-
-FastDiv make_fast_div(int64_t d) {
-  FastDiv f;
-  f.d = static_cast<uint32_t>(d);
-  f.s = 0;
-  while ((uint64_t{1} << f.s) < f.d) ++f.s;
-  f.m = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << f.s) - f.d)) / f.d + 1);
-  return f;
-}
 
 // One layer's K or V cache: base pointer and byte strides of [num_blocks, block_size, Hkv].
 struct CacheView {
@@ -139,42 +116,6 @@ __global__ void __launch_bounds__(kBlock, 5)
 
 // ---------------------------------------------------------------------------------------------
 // Host side: argument checks in the words of dflash_ops/ops/_checks.py, then the launch.
-
-const char* dtype_name(at::ScalarType t) {
-  switch (t) {
-    case at::kBFloat16: return "bfloat16";
-    case at::kHalf: return "float16";
-    case at::kFloat: return "float32";
-    case at::kDouble: return "float64";
-    case at::kLong: return "int64";
-    case at::kInt: return "int32";
-    case at::kShort: return "int16";
-    case at::kChar: return "int8";
-    case at::kByte: return "uint8";
-    case at::kBool: return "bool";
-    default: return c10::toString(t);
-  }
-}
-
-// Python's repr of a tuple / list of ints: (5, 64), (5,), [5, 64].
-std::string py_tuple(c10::IntArrayRef v) {
-  std::ostringstream s;
-  s << "(";
-  for (size_t i = 0; i < v.size(); ++i) s << (i ? ", " : "") << v[i];
-  s << (v.size() == 1 ? ",)" : ")");
-  return s.str();
-}
-std::string py_list(c10::IntArrayRef v) {
-  std::ostringstream s;
-  s << "[";
-  for (size_t i = 0; i < v.size(); ++i) s << (i ? ", " : "") << v[i];
-  s << "]";
-  return s.str();
-}
-
-bool last_dim_ok(const at::Tensor& t) {  // as the Python checks: unit stride unless D <= 1
-  return t.numel() == 0 || t.dim() == 0 || t.stride(-1) == 1 || t.size(-1) <= 1;
-}
 
 constexpr const char* kOp = "store_kv_";
 constexpr int kMaxLayers = 64;

@@ -18,6 +18,8 @@
 // every base pointer and every stride allow it, else single elements.
 #include "dflash_ops.h"
 
+#include "common.cuh"
+
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -37,94 +39,10 @@
 namespace dflash_ops {
 namespace {
 
+using namespace detail;  // common.cuh
+
 // ---------------------------------------------------------------------------------------------
 // Device side: no framework types.
-
-// Element types are moved as raw bits and converted explicitly (torch builds with
-// __CUDA_NO_HALF_CONVERSIONS__ / __CUDA_NO_BFLOAT16_CONVERSIONS__).
-struct BF16 {
-  using Bits = uint16_t;
-  static __device__ __forceinline__ float to_float(Bits b) {
-    return __uint_as_float(static_cast<uint32_t>(b) << 16);
-  }
-  static __device__ __forceinline__ Bits from_float(float f) {
-    return __bfloat16_as_ushort(__float2bfloat16_rn(f));
-  }
-};
-struct F16 {
-  using Bits = uint16_t;
-  static __device__ __forceinline__ float to_float(Bits b) {
-    return __half2float(__ushort_as_half(b));
-  }
-  static __device__ __forceinline__ Bits from_float(float f) {
-    return __half_as_ushort(__float2half_rn(f));
-  }
-};
-struct F32 {
-  using Bits = uint32_t;
-  static __device__ __forceinline__ float to_float(Bits b) { return __uint_as_float(b); }
-  static __device__ __forceinline__ Bits from_float(float f) { return __float_as_uint(f); }
-};
-
-template <int BYTES> struct RawOf;
-template <> struct RawOf<16> { using type = uint4; };
-template <> struct RawOf<8> { using type = uint2; };
-template <> struct RawOf<4> { using type = uint32_t; };
-template <> struct RawOf<2> { using type = uint16_t; };
-
-// N elements moved as one load/store of N * sizeof(Bits) bytes.
-template <class Bits, int N>
-union Pack {
-  using Raw = typename RawOf<static_cast<int>(sizeof(Bits)) * N>::type;
-  Raw raw;
-  Bits e[N];
-};
-
-template <class P>
-__device__ __forceinline__ P load_pack(const void* p) {
-  P v;
-  v.raw = *reinterpret_cast<const typename P::Raw*>(p);
-  return v;
-}
-template <class P>
-__device__ __forceinline__ P load_pack_ro(const void* p) {  // read-only for the whole kernel
-  P v;
-  v.raw = __ldg(reinterpret_cast<const typename P::Raw*>(p));
-  return v;
-}
-template <class P>
-__device__ __forceinline__ void store_pack(void* p, const P& v) {
-  *reinterpret_cast<typename P::Raw*>(p) = v.raw;
-}
-template <class P>
-__device__ __forceinline__ P zero_pack() {
-  P v;
-  v.raw = typename P::Raw{};
-  return v;
-}
-
-// n / d for n < 2^31, 1 <= d < 2^31 by a multiply and a shift (Granlund-Montgomery round-up
-// method: s = ceil(log2 d), m = floor(2^32 (2^s - d) / d) + 1, n / d = (mulhi(m, n) + n) >> s;
-// mulhi(m, n) < n, so the sum fits in 32 bits for n < 2^31).
-struct FastDiv {
-  uint32_t d = 1, m = 1, s = 0;
-  __host__ __device__ __forceinline__ uint32_t div(uint32_t n) const {
-#ifdef __CUDA_ARCH__
-    return (__umulhi(n, m) + n) >> s;
-#else
-    return (static_cast<uint32_t>((uint64_t{n} * m) >> 32) + n) >> s;
-#endif
-  }
-};
-
-FastDiv make_fast_div(int64_t d) {
-  FastDiv f;
-  f.d = static_cast<uint32_t>(d);
-  f.s = 0;
-  while ((uint64_t{1} << f.s) < f.d) ++f.s;
-  f.m = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << f.s) - f.d)) / f.d + 1);
-  return f;
-}
 
 struct NormParams {
   const void* x;    // rows of x, at xs offsets
@@ -343,27 +261,13 @@ __global__ void __launch_bounds__(kGenericBlock) rms_norm_generic_kernel(const N
 // ---------------------------------------------------------------------------------------------
 // Host side.
 
-const char* dtype_name(at::ScalarType t) {
-  switch (t) {
-    case at::kBFloat16: return "bfloat16";
-    case at::kHalf: return "float16";
-    case at::kFloat: return "float32";
-    case at::kDouble: return "float64";
-    default: return c10::toString(t);
-  }
-}
-
-bool last_dim_ok(const at::Tensor& t) {  // as the Python checks: unit stride unless D <= 1
-  return t.numel() == 0 || t.size(-1) <= 1 || t.stride(-1) == 1;
-}
-
 void check_common(const char* op, const at::Tensor& x, const at::Tensor& weight, double eps) {
   // x: [..., D]
   TORCH_CHECK_VALUE(x.is_cuda(), "dflash.", op, ": x must be a CUDA tensor, got device ",
                     x.device());
   const auto dt = x.scalar_type();
   TORCH_CHECK_VALUE(dt == at::kBFloat16 || dt == at::kHalf || dt == at::kFloat, "dflash.", op,
-                    ": x must be bfloat16/float16/float32, got ", dtype_name(dt));
+                    ": x must be bfloat16/float16/float32, got ", float_dtype_name(dt));
   TORCH_CHECK_VALUE(x.dim() >= 1, "dflash.", op, ": x must have rank >= 1, got a 0-d tensor");
   TORCH_CHECK_VALUE(last_dim_ok(x), "dflash.", op,
                     ": x must have unit stride in its last dimension, got strides ", x.strides());
@@ -374,8 +278,8 @@ void check_common(const char* op, const at::Tensor& x, const at::Tensor& weight,
   TORCH_CHECK_VALUE(weight.device() == x.device(), "dflash.", op, ": weight must be on ",
                     x.device(), ", got ", weight.device());
   TORCH_CHECK_VALUE(weight.scalar_type() == dt, "dflash.", op,
-                    ": weight must have the dtype of x (", dtype_name(dt), "), got ",
-                    dtype_name(weight.scalar_type()));
+                    ": weight must have the dtype of x (", float_dtype_name(dt), "), got ",
+                    float_dtype_name(weight.scalar_type()));
   TORCH_CHECK_VALUE(last_dim_ok(weight), "dflash.", op,
                     ": weight must have unit stride in its last dimension, got strides ",
                     weight.strides());
@@ -592,8 +496,8 @@ void fused_add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& 
   TORCH_CHECK_VALUE(residual.device() == x.device(), "dflash.", op, ": residual must be on ",
                     x.device(), ", got ", residual.device());
   TORCH_CHECK_VALUE(residual.scalar_type() == x.scalar_type(), "dflash.", op,
-                    ": residual must have the dtype of x (", dtype_name(x.scalar_type()),
-                    "), got ", dtype_name(residual.scalar_type()));
+                    ": residual must have the dtype of x (", float_dtype_name(x.scalar_type()),
+                    "), got ", float_dtype_name(residual.scalar_type()));
   TORCH_CHECK_VALUE(residual.sizes() == x.sizes(), "dflash.", op,
                     ": residual must have the shape of x ", x.sizes(), ", got ",
                     residual.sizes());

@@ -28,6 +28,8 @@
 // knorm_rope_ (weight row = layer); row -> (token, head) by multiply-shift division.
 #include "dflash_ops.h"
 
+#include "common.cuh"
+
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -47,69 +49,10 @@
 namespace dflash_ops {
 namespace {
 
+using namespace detail;  // common.cuh
+
 // ---------------------------------------------------------------------------------------------
 // Device side: no framework types.
-
-// Element types move as raw bits and convert explicitly (torch builds with
-// __CUDA_NO_HALF_CONVERSIONS__ / __CUDA_NO_BFLOAT16_CONVERSIONS__).
-struct BF16 {
-  using Bits = uint16_t;
-  static __device__ __forceinline__ float to_float(Bits b) {
-    return __uint_as_float(static_cast<uint32_t>(b) << 16);
-  }
-  static __device__ __forceinline__ Bits from_float(float f) {
-    return __bfloat16_as_ushort(__float2bfloat16_rn(f));
-  }
-};
-struct F16 {
-  using Bits = uint16_t;
-  static __device__ __forceinline__ float to_float(Bits b) {
-    return __half2float(__ushort_as_half(b));
-  }
-  static __device__ __forceinline__ Bits from_float(float f) {
-    return __half_as_ushort(__float2half_rn(f));
-  }
-};
-struct F32 {
-  using Bits = uint32_t;
-  static __device__ __forceinline__ float to_float(Bits b) { return __uint_as_float(b); }
-  static __device__ __forceinline__ Bits from_float(float f) { return __float_as_uint(f); }
-};
-
-template <int BYTES> struct RawOf;
-template <> struct RawOf<16> { using type = uint4; };
-template <> struct RawOf<8> { using type = uint2; };
-template <> struct RawOf<4> { using type = uint32_t; };
-template <> struct RawOf<2> { using type = uint16_t; };
-
-// N elements moved as one load/store of N * sizeof(Bits) bytes.
-template <class Bits, int N>
-union Pack {
-  using Raw = typename RawOf<static_cast<int>(sizeof(Bits)) * N>::type;
-  Raw raw;
-  Bits e[N];
-};
-
-// n / d for n < 2^31, 1 <= d < 2^31 by a multiply and a shift (as in norm.cu).
-struct FastDiv {
-  uint32_t d = 1, m = 1, s = 0;
-  __host__ __device__ __forceinline__ uint32_t div(uint32_t n) const {
-#ifdef __CUDA_ARCH__
-    return (__umulhi(n, m) + n) >> s;
-#else
-    return (static_cast<uint32_t>((uint64_t{n} * m) >> 32) + n) >> s;
-#endif
-  }
-};
-
-FastDiv make_fast_div(int64_t d) {
-  FastDiv f;
-  f.d = static_cast<uint32_t>(d);
-  f.s = 0;
-  while ((uint64_t{1} << f.s) < f.d) ++f.s;
-  f.m = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << f.s) - f.d)) / f.d + 1);
-  return f;
-}
 
 // One tensor's heads, viewed as [T, n_outer, n_inner, D] (element strides; 0 for size-1 dims).
 // Head h of a token is (o, i) = (h / n_inner, h % n_inner); its weight row is w + o * w_row.
@@ -323,38 +266,6 @@ __global__ void __launch_bounds__(kBlock, (NU == 1 && V > 1) ? 5 : 1)
 
 // ---------------------------------------------------------------------------------------------
 // Host side: argument checks in the words of dflash_ops/ops/_checks.py, then the launch.
-
-const char* dtype_name(at::ScalarType t) {
-  switch (t) {
-    case at::kBFloat16: return "bfloat16";
-    case at::kHalf: return "float16";
-    case at::kFloat: return "float32";
-    case at::kDouble: return "float64";
-    case at::kLong: return "int64";
-    case at::kInt: return "int32";
-    case at::kShort: return "int16";
-    case at::kChar: return "int8";
-    case at::kByte: return "uint8";
-    case at::kBool: return "bool";
-    default: return c10::toString(t);
-  }
-}
-
-// Python's repr of a tuple / list of ints: (5, 64), (5,), [5, 64].
-std::string py_tuple(c10::IntArrayRef v) {
-  std::ostringstream s;
-  s << "(";
-  for (size_t i = 0; i < v.size(); ++i) s << (i ? ", " : "") << v[i];
-  s << (v.size() == 1 ? ",)" : ")");
-  return s.str();
-}
-std::string py_list(c10::IntArrayRef v) {
-  std::ostringstream s;
-  s << "[";
-  for (size_t i = 0; i < v.size(); ++i) s << (i ? ", " : "") << v[i];
-  s << "]";
-  return s.str();
-}
 
 constexpr std::initializer_list<at::ScalarType> kFloatTypes = {at::kBFloat16, at::kHalf,
                                                                at::kFloat};

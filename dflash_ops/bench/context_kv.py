@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 
 import torch
 
@@ -38,9 +37,8 @@ from .. import dispatch
 from ..ops.kv import store_kv_ref
 from ..ops.norm import rms_norm_ref
 from ..ops.rope import make_cos_sin_cache, rope_values
-from .harness import (Results, floor_us, host_overhead_us, l2_bytes, measure_floors, rotating,
-                      time_fn)
-from .norm import Impl, _compile, _forced, _max_err, _msg
+from .columns import Impl, compile_static, forced, host_table, msg, table
+from .harness import Results, l2_bytes, measure_floors, rotating
 
 EPS = 1e-6
 HQ = 32
@@ -78,7 +76,7 @@ def _liger():
         from liger_kernel.ops.rope import LigerRopeFunction as RP
         return RN.apply, RP.apply, None
     except Exception as e:  # noqa: BLE001 - not installed, or an import-time failure
-        return None, None, f"liger-kernel unavailable ({_msg(e)})"
+        return None, None, f"liger-kernel unavailable ({msg(e)})"
 
 
 def _liger_rope(rope, q, k, cache, pos):
@@ -118,7 +116,7 @@ def _knorm_impls(n_layers, hkv, d, w, cache, dummy_k):
         torch.ops.dflash.knorm_rope_.default(k, w, pos, cache, EPS, True)
         return k
 
-    compiled = _compile(_knorm_math)
+    compiled = compile_static(_knorm_math)
 
     def comp(kv, pos):
         compiled(kv, w, pos, cache)
@@ -155,7 +153,7 @@ def _knorm_impls(n_layers, hkv, d, w, cache, dummy_k):
         ref_(k, w0_all, pos, cache, EPS, True)
         return k
 
-    return [_forced(op, "cuda", ours, ref), _forced(op, "triton", ours, ref),
+    return [forced(op, "cuda", ours, ref), forced(op, "triton", ours, ref),
             Impl("torch eager", ref, ref), Impl("torch.compile", comp, ref),
             Impl(f"unfused: {_chain_name('rms_norm', 'rope_')}", chain, ref),
             Impl(f"vllm-style per layer: {n_layers} x ({_chain_name('rms_norm', 'rope_')})",
@@ -190,7 +188,7 @@ def _qk_impls(hkv, d, wq, wk, cache):
         torch.ops.dflash.qk_norm_rope_.default(q, k, wq, wk, pos, cache, EPS, True)
         return q, k
 
-    compiled = _compile(_qk_math)
+    compiled = compile_static(_qk_math)
 
     def comp(qkv, pos):
         compiled(qkv, wq, wk, pos, cache, hkv, d)
@@ -212,7 +210,7 @@ def _qk_impls(hkv, d, wq, wk, cache):
         kn = rn(k.reshape(-1, d), wk, EPS, 0.0, "llama", False)
         return _liger_rope(rp, qn.view(q.shape), kn.view(k.shape), cache, pos)
 
-    return [_forced(op, "cuda", ours, ref), _forced(op, "triton", ours, ref),
+    return [forced(op, "cuda", ours, ref), forced(op, "triton", ours, ref),
             Impl("torch eager", ref, ref), Impl("torch.compile", comp, ref),
             Impl(f"vllm-style: 2 x rms_norm[{dispatch.resolve('rms_norm')}] + 2 x "
                  f"rope_[{dispatch.resolve('rope_')}]", chain, ref),
@@ -249,78 +247,26 @@ def _store_impls():
         _store_index_put(kv, slots, bufs)
         return bufs
 
-    compiled = _compile(_store_index_put)
+    compiled = compile_static(_store_index_put)
 
     def comp(kv, slots, *bufs):
         compiled(kv, slots, list(bufs))
         return bufs
 
-    eager = Impl("torch eager (reference; syncs)", ref, ref)
-    eager.graph = False  # boolean-mask indexing synchronises: not capturable, event timing
-    return [_forced(op, "cuda", ours, ref), _forced(op, "triton", ours, ref), eager,
+    # boolean-mask indexing synchronises: not capturable, event timing
+    eager = Impl("torch eager (reference; syncs)", ref, ref, graph=False)
+    return [forced(op, "cuda", ours, ref), forced(op, "triton", ours, ref), eager,
             Impl("vllm-style: index_put per layer, K and V (eager)", index_put, ref),
             Impl("torch.compile(index_put per layer)", comp, ref),
             Impl("copy (same bytes)", lambda kv, slots, *bufs: kv.clone(), None)]
 
 
 # ----------------------------------------------------------------------------- measuring
-def _exact_err(got, want):
-    """(elements that differ bit for bit, tolerance 0)."""
-    bad = 0
-    for g, w in zip(got, want):
-        bad += int((g.view(torch.int16) != w.view(torch.int16)).sum())
-    return float(bad), 0.0
-
-
-def _measure(impl: Impl, sets, pristine, exact: bool, timing: dict):
-    """(time_fn dict or None, note, err): checked on clones of ``pristine`` against the
-    reference, then timed over ``sets`` (which in-place ops keep mutating)."""
-    if impl.missing:
-        return None, impl.missing, None
-    fresh = lambda: tuple(t.clone() for t in pristine)  # noqa: E731
-    graph = getattr(impl, "graph", GRAPH)
-    note = "" if graph else "event timing (not capturable)"
-    with impl.ctx():
-        try:
-            if impl.ref is None:
-                err, tol = 0.0, 1.0
-            else:
-                got, want = impl.fn(*fresh()), impl.ref(*fresh())
-                err, tol = _exact_err(got, want) if exact else _max_err(got, want)
-        except Exception as e:  # noqa: BLE001 - a broken column is reported, not fatal
-            return None, f"failed: {_msg(e)}", None
-        if not err <= tol:
-            what = "elements differ" if exact else "max abs err"
-            return None, f"WRONG: {what} {err:.3g} > tol {tol:.3g}; not timed", err
-        try:
-            return time_fn(impl.fn, rotate=sets, graph=graph, **timing), note, err
-        except Exception as e:  # noqa: BLE001
-            if not graph:
-                return None, f"failed: {_msg(e)}", err
-            note = f"graph capture failed ({_msg(e)}); event timing"
-        try:
-            return time_fn(impl.fn, rotate=sets, graph=False, **timing), note, err
-        except Exception as e:  # noqa: BLE001
-            return None, f"failed: {_msg(e)}", err
-
-
 def _table(res: Results, title: str, impls, cases, timing: dict, exact: bool = False) -> None:
-    """cases: (T, build_sets() -> the rotating input sets, bytes moved per call)."""
-    for t, build_sets, moved in cases:
-        sets = build_sets()
-        pristine = tuple(x.clone() for x in sets[0])
-        floor = floor_us(res.floors, moved)
-        for impl in impls:
-            tm, note, err = _measure(impl, sets, pristine, exact, timing)
-            res.add_time(title, f"T={t}", impl.name, tm, bytes_moved=moved, floor=floor,
-                         err=err, note=note, x=t)
-            us = f"{tm['us']:.2f} us ({tm['mode']})" if tm else "n/a"
-            print(f"[context_kv] {title.split(' ')[0]} T={t} {impl.name}: {us} {note}",
-                  file=sys.stderr, flush=True)
-        res.add_time(title, f"T={t}", "floor", {"us": floor, "mode": "bytes/copy"},
-                     bytes_moved=moved, floor=floor, x=t)
-        del sets, pristine
-        torch.cuda.empty_cache()
+    """cases: (T, build_sets() -> the rotating input sets, bytes moved per call); ``exact``:
+    outputs compared bit for bit (store_kv_)."""
+    table(res, title, impls, cases, timing, progress=f"[context_kv] {title.split(' ')[0]}",
+          graph=GRAPH, exact=exact)
 
 
 def _host_table(res: Results) -> None:
@@ -351,18 +297,8 @@ def _host_table(res: Results) -> None:
         for b in ("cuda", "triton", "torch"):
             if op == "store_kv_" and b == "torch":
                 continue  # the reference synchronises: host time is then the GPU's
-            r = _forced(op, b, fn, None)
-            r.name = f"dflash.{op} {b}"
-            rows.append(r)
-    for r in rows:
-        us, note = None, r.missing or ""
-        if not r.missing:
-            with r.ctx():
-                try:
-                    us = host_overhead_us(r.fn)
-                except Exception as e:  # noqa: BLE001
-                    note = f"failed: {_msg(e)}"
-        res.add(title, impl=r.name, **{"host us": us}, note=note)
+            rows.append(forced(op, b, fn, None, name=f"dflash.{op} {b}"))
+    host_table(res, title, rows)
 
 
 def run(quick: bool = False) -> Results:

@@ -8,12 +8,10 @@ reference on the benchmark's own inputs before it is timed.
 """
 from __future__ import annotations
 
-import contextlib
-import sys
-
 import torch
 
-from .harness import Results, floor_us, host_overhead_us, measure_floors, rotating, time_fn
+from .columns import Impl, compile_static, forced, host_table, msg, table
+from .harness import Results, measure_floors, rotating
 
 EPS = 1e-6
 KNORM_T = (1, 4, 16, 64, 256, 1024, 4096, 16384)  # x[T, 40, 128]: 5 layers x 8 KV heads
@@ -23,37 +21,6 @@ QUICK_KNORM_T, QUICK_HIDDEN_T = (1, 64, 4096, 16384), (1, 4096)
 # time, more than the kernel at most sizes, and do_bench's per-call events then time the host (Liger
 # fused add [4096, 4096]: 91 us with events, 35 us with graph replay). Events only if capture fails.
 GRAPH = True
-BF16_ULP = 2.0 ** -7  # bf16 spacing at 1.0; a column is wrong past 2 ulps of the output's max
-_compiled: dict = {}
-
-
-def _msg(e: BaseException) -> str:
-    first = (str(e).strip().splitlines() or [""])[0][:160]
-    return f"{type(e).__name__}: {first}"
-
-
-def _tuple(v):
-    return v if isinstance(v, tuple) else (v,)
-
-
-def _max_err(got, want):
-    """(max abs error over outputs, tolerance): 2 bf16 ulps of the largest reference value."""
-    err, scale = 0.0, 1.0
-    for g, w in zip(_tuple(got), _tuple(want)):
-        d = (g.reshape(w.shape).float() - w.float()).abs().max().item()
-        err = d if d != d else max(err, d)  # keep a NaN
-        scale = max(scale, w.float().abs().max().item())
-    return err, 2 * BF16_ULP * scale
-
-
-def _compile(fn):
-    if fn not in _compiled:
-        cfg = torch._dynamo.config
-        for k in ("recompile_limit", "cache_size_limit"):  # one static compile per shape
-            with contextlib.suppress(AttributeError):
-                setattr(cfg, k, max(getattr(cfg, k), 64))
-        _compiled[fn] = torch.compile(fn, dynamic=False)
-    return _compiled[fn]
 
 
 def _liger():
@@ -63,23 +30,7 @@ def _liger():
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction as RN
         return RN.apply, FA.apply, None
     except Exception as e:  # noqa: BLE001 - not installed, or an import-time failure
-        return None, None, f"liger-kernel unavailable ({_msg(e)})"
-
-
-class Impl:
-    """A column: ``fn(*set)`` timed, ``ref(*set)`` its oracle, ``ctx()`` around both."""
-
-    def __init__(self, name, fn, ref, ctx=contextlib.nullcontext, missing=None):
-        self.name, self.fn, self.ref, self.ctx, self.missing = name, fn, ref, ctx, missing
-
-
-def _forced(op: str, backend: str, fn, ref) -> Impl:
-    import dflash_ops
-    from dflash_ops import dispatch
-
-    missing = None if dispatch.has_backend(op, backend) else \
-        f"no {backend} kernel for {op} (available: {dispatch.available_backends(op)})"
-    return Impl(backend, fn, ref, lambda: dflash_ops.use_backend(backend, ops=[op]), missing)
+        return None, None, f"liger-kernel unavailable ({msg(e)})"
 
 
 def _rms_impls(w) -> list:
@@ -87,10 +38,10 @@ def _rms_impls(w) -> list:
 
     ref = lambda x: rms_norm_ref(x, w, EPS)  # noqa: E731
     op = lambda x: torch.ops.dflash.rms_norm.default(x, w, EPS)  # noqa: E731
-    compiled = _compile(rms_norm_ref)
+    compiled = compile_static(rms_norm_ref)
     liger, _, why = _liger()
     w1 = w if w.dim() == 1 else w[0].contiguous()  # Liger has no per-group weight: same bytes
-    return [_forced("rms_norm", "cuda", op, ref), _forced("rms_norm", "triton", op, ref),
+    return [forced("rms_norm", "cuda", op, ref), forced("rms_norm", "triton", op, ref),
             Impl("torch eager", ref, ref),
             Impl("torch.compile", lambda x: compiled(x, w, EPS), ref),
             Impl("liger", lambda x: liger(x.view(-1, x.shape[-1]), w1, EPS, 0.0, "llama", False),
@@ -103,7 +54,7 @@ def _fused_add_impls(w) -> list:
     from dflash_ops import dispatch
 
     ref_ = dispatch.ops()["fused_add_rms_norm_"].impls["torch"]
-    compiled = _compile(ref_)
+    compiled = compile_static(ref_)
 
     def ref(x, r):
         ref_(x, r, w, EPS)
@@ -118,54 +69,18 @@ def _fused_add_impls(w) -> list:
         return x, r
 
     _, liger, why = _liger()  # out of place: returns (y, x + r), the same bytes
-    return [_forced("fused_add_rms_norm_", "cuda", op, ref),
-            _forced("fused_add_rms_norm_", "triton", op, ref),
+    return [forced("fused_add_rms_norm_", "cuda", op, ref),
+            forced("fused_add_rms_norm_", "triton", op, ref),
             Impl("torch eager", ref, ref), Impl("torch.compile", comp, ref),
             Impl("liger", lambda x, r: liger(x, r, w, EPS, 0.0, "llama", False), ref, missing=why)]
 
 
-def _measure(impl: Impl, sets, pristine, graph: bool, timing: dict):
-    """(time_fn dict or None, note, max err): check on ``pristine`` against the reference, then
-    time over ``sets`` (which in-place ops mutate)."""
-    if impl.missing:
-        return None, impl.missing, None
-    fresh = lambda: tuple(t.clone() for t in pristine)  # noqa: E731
-    with impl.ctx():
-        try:
-            err, tol = _max_err(impl.fn(*fresh()), impl.ref(*fresh())) if impl.ref else (0.0, 1.0)
-        except Exception as e:  # noqa: BLE001 - a broken column is reported, not fatal
-            return None, f"failed: {_msg(e)}", None
-        if not err <= tol:
-            return None, f"WRONG: max abs err {err:.3g} > tol {tol:.3g}; not timed", err
-        try:
-            return time_fn(impl.fn, rotate=sets, graph=graph, **timing), "", err
-        except Exception as e:  # noqa: BLE001
-            if not graph:
-                return None, f"failed: {_msg(e)}", err
-            note = f"graph capture failed ({_msg(e)}); event timing"
-        try:
-            return time_fn(impl.fn, rotate=sets, graph=False, **timing), note, err
-        except Exception as e:  # noqa: BLE001
-            return None, f"failed: {_msg(e)}", err
-
-
 def _table(res: Results, title: str, impls, cases, timing: dict) -> None:
     """cases: (T, make_set, input bytes per set, bytes moved per call)."""
-    for t, make, in_bytes, moved in cases:
-        sets = rotating(make, in_bytes)
-        pristine = tuple(t.clone() for t in sets[0])
-        floor = floor_us(res.floors, moved)
-        for impl in impls:
-            tm, note, err = _measure(impl, sets, pristine, GRAPH, timing)
-            res.add_time(title, f"T={t}", impl.name, tm, bytes_moved=moved, floor=floor,
-                         err=err, note=note, x=t)
-            us = f"{tm['us']:.2f} us ({tm['mode']})" if tm else "n/a"
-            print(f"[norm] {title.split(' x')[0]} T={t} {impl.name}: {us} {note}",
-                  file=sys.stderr, flush=True)
-        res.add_time(title, f"T={t}", "floor", {"us": floor, "mode": "bytes/copy"},
-                     bytes_moved=moved, floor=floor, x=t)
-        del sets, pristine
-        torch.cuda.empty_cache()
+    table(res, title, impls,
+          [(t, lambda make=make, n=in_bytes: rotating(make, n), moved)
+           for t, make, in_bytes, moved in cases],
+          timing, progress=f"[norm] {title.split(' x')[0]}", graph=GRAPH)
 
 
 def _host_table(res: Results) -> None:
@@ -177,24 +92,15 @@ def _host_table(res: Results) -> None:
     w = torch.randn(5, 128, dtype=torch.bfloat16, device="cuda")
     op = lambda: torch.ops.dflash.rms_norm.default(x, w, EPS)  # noqa: E731
     rows = [Impl(f"dflash.rms_norm default ({dflash_ops.backend_for('rms_norm')})", op, None)]
-    rows += [_forced("rms_norm", b, op, None) for b in ("cuda", "triton", "torch")]
-    for r in rows[1:]:
-        r.name = f"dflash.rms_norm {r.name}"
-    compiled, (liger, _, why) = _compile(rms_norm_ref), _liger()
+    rows += [forced("rms_norm", b, op, None, name=f"dflash.rms_norm {b}")
+             for b in ("cuda", "triton", "torch")]
+    compiled, (liger, _, why) = compile_static(rms_norm_ref), _liger()
     rows += [Impl("(calibration) x.mul(2): one aten kernel", lambda: x.mul(2), None),
              Impl("rms_norm_ref eager", lambda: rms_norm_ref(x, w, EPS), None),
              Impl("torch.compile(rms_norm_ref)", lambda: compiled(x, w, EPS), None),
              Impl("liger", lambda: liger(x.view(-1, 128), w[0], EPS, 0.0, "llama", False), None,
                   missing=why)]
-    for r in rows:
-        us, note = None, r.missing or ""
-        if not r.missing:
-            with r.ctx():
-                try:
-                    us = host_overhead_us(r.fn)
-                except Exception as e:  # noqa: BLE001
-                    note = f"failed: {_msg(e)}"
-        res.add(title, impl=r.name, **{"host us": us}, note=note)
+    host_table(res, title, rows)
 
 
 def run(quick: bool = False) -> Results:
