@@ -9,6 +9,7 @@ if importlib.util.find_spec("triton") is not None:
     from . import norm  # noqa: F401
     from . import rope  # noqa: F401
     from . import kv  # noqa: F401
+    from . import context  # noqa: F401
     AVAILABLE = True
 else:  # pragma: no cover - triton ships with CUDA torch and in the test extras
     AVAILABLE = False

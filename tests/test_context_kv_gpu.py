@@ -1,0 +1,172 @@
+"""The Triton ``kv_proj`` and fused ``context_kv_`` on the GPU against the PyTorch reference.
+
+The checks are those of tests/test_triton_context_kv_interp.py (whole cache buffers compared,
+untouched elements bit for bit, -1 and out-of-range slots, positions outside the table, K within
+2x the torch reference's error in the dtype, V within one rounding of it), run in bf16 (and a
+few fp16/fp32) over the issue's grid: T 1/7/16/257/4096, L 1/5/8, Hkv 1/4/8, D 64/128/256,
+NeoX and GPT-J, full and partial rotary (one R not a power of two: the tl.gather path), caches as
+separate tensors and as vLLM views, hidden_norm on and off; plus a CUDA-graph capture/replay.
+The Triton backend is forced (dispatch keeps ``torch`` as these ops' default until measured).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dflash_ops
+from dflash_ops import dispatch
+from tests import test_opcheck as opcheck_cases
+from tests import test_triton_context_kv_interp as interp
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def _need(op: str) -> None:
+    if not dispatch.has_backend(op, "triton"):
+        pytest.skip(f"no triton kernel for {op} (available: {dispatch.available_backends(op)}; "
+                    "the context kernels need DFLASH_OPS_EXPERIMENTAL=1 until verified on a GPU)")
+
+
+# (T, H, N): Qwen3-8B / 4B / 27B-DFlash2 / gpt-oss-20b K/V widths, plus ragged ones
+PROJ_SHAPES = [(1, 4096, 10240), (7, 2560, 10240), (16, 4096, 10240), (33, 5120, 10240),
+               (64, 2880, 8192), (257, 4096, 10240), (4096, 4096, 10240), (100, 72, 200),
+               (1000, 1000, 1000)]
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+@pytest.mark.parametrize("shape", PROJ_SHAPES, ids=lambda s: "T{}_H{}_N{}".format(*s))
+def test_kv_proj(shape, dtype):
+    _need("kv_proj")
+    interp.check_kv_proj(DEV, (dtype,), shapes=(shape,))
+
+
+def test_kv_proj_fp32():
+    _need("kv_proj")
+    interp.check_kv_proj(DEV, (FP32,), shapes=((7, 256, 384), (300, 128, 256)))
+
+
+# (T, H, L, Hkv, D, R, neox, layout, bias, hidden_norm)
+CONTEXT_CASES = [
+    (1, 4096, 5, 8, 128, 128, True, "nhd2", False, False),       # Qwen3-8B, decode-size T
+    (7, 2560, 5, 8, 128, 128, True, "separate", False, True),    # Qwen3-4B, hidden_norm
+    (16, 4096, 5, 8, 128, 64, False, "hnd2d", True, False),      # GPT-J, partial, bias
+    (257, 2880, 8, 4, 64, 64, True, "nhd2", False, True),        # gpt-oss-like D 64, L 8
+    (4096, 4096, 5, 8, 128, 128, True, "nhd2", False, False),    # long prefill
+    (257, 512, 1, 1, 256, 256, False, "separate", True, False),  # D 256
+    (16, 512, 8, 1, 256, 128, True, "nhd2", False, True),
+    (7, 1024, 1, 4, 64, 32, False, "hnd2d", False, False),
+    (257, 1024, 5, 8, 128, 96, True, "separate", False, False),  # R not a power of two
+    (4096, 1024, 8, 4, 64, 64, False, "separate", True, True),
+]
+
+
+def _case_id(c):
+    t, h, n_layers, hkv, d, r, neox, layout, bias, hn = c
+    return (f"T{t}_H{h}_L{n_layers}_Hkv{hkv}_D{d}_R{r}_{'neox' if neox else 'gptj'}_{layout}"
+            f"{'_bias' if bias else ''}{'_hn' if hn else ''}")
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+@pytest.mark.parametrize("case", CONTEXT_CASES, ids=_case_id)
+def test_context_kv(case, dtype):
+    _need("context_kv_")
+    t, h, n_layers, hkv, d, r, neox, layout, bias, hn = case
+    if dtype == FP16 and t * h * n_layers > 4096 * 4096:
+        pytest.skip("fp16 covered on the smaller cases")
+    bs = 16
+    gen = torch.Generator().manual_seed(t * 131 + h)
+    interp.run_context_case(DEV, dtype, t, h, n_layers, hkv, d, r, neox, layout, bias, hn, gen,
+                            nb=t // bs + 3, bs=bs, strided_table=(t % 2 == 1))
+
+
+def test_context_kv_fp32():
+    _need("context_kv_")
+    gen = torch.Generator().manual_seed(7)
+    interp.run_context_case(DEV, FP32, 33, 256, 2, 2, 128, 128, True, "nhd2", True, True, gen,
+                            nb=5, bs=16)
+
+
+def test_context_kv_huge_slots():
+    _need("context_kv_")
+    interp.check_context_kv_huge_slots(DEV, dtype=BF16, d=128, hkv=8, n_layers=5, h=256)
+
+
+@pytest.mark.parametrize("hidden_norm", [False, True])
+def test_context_kv_cuda_graph(hidden_norm):
+    """Warm up once (compiles, builds the cache table), capture, then replay with new inputs
+    copied into the static buffers (T padded to a bucket; padded rows' slots = -1)."""
+    _need("context_kv_")
+    t, h, n_layers, hkv, d, nb, bs = 16, 1024, 5, 8, 128, 8, 16
+    dtype, eps, neox = BF16, 1e-6, True
+    n = n_layers * 2 * hkv * d
+    w = (torch.randn(n, h, device=DEV) * h ** -0.5).to(dtype)
+    kw = (1 + 0.1 * torch.randn(n_layers, d, device=DEV)).to(dtype)
+    hw = (1 + 0.1 * torch.randn(h, device=DEV)).to(dtype) if hidden_norm else None
+    cs = interp._table(d, DEV)
+    x = torch.empty(t, h, device=DEV, dtype=dtype)
+    pos = torch.zeros(t, device=DEV, dtype=torch.int64)
+    slots = torch.full((t,), -1, device=DEV, dtype=torch.int64)
+    backing = [torch.randn(nb, 2, bs, hkv, d, device=DEV).to(dtype) for _ in range(n_layers)]
+    kc, vc = interp.cache_views("nhd2", backing, d)
+
+    def call():
+        torch.ops.dflash.context_kv_.default(x, w, None, kw, pos, cs, slots, kc, vc, eps, neox,
+                                             hw)
+
+    def fill(valid: int):
+        x.copy_(torch.randn(t, h, device=DEV).to(dtype))
+        pos.copy_(torch.randint(0, interp.P, (t,), device=DEV))
+        perm = torch.randperm(nb * bs, device=DEV)[:t]
+        perm[valid:] = -1  # the bucket's padding rows
+        slots.copy_(perm)
+
+    with dflash_ops.use_backend("triton", ops=["context_kv_"]):
+        fill(t)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            call()  # warm-up: compile + the per-layer cache table
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+        for rnd, valid in enumerate((t, 9, 1)):
+            fill(valid)
+            for b in backing:
+                b.copy_(torch.randn_like(b, dtype=torch.float32).to(dtype))
+            orig = [b.clone() for b in backing]
+            want = [b.clone() for b in backing]
+            with dflash_ops.use_backend("torch", ops=["context_kv_"]):
+                torch.ops.dflash.context_kv_.default(x, w, None, kw, pos, cs, slots,
+                                                     *interp.cache_views("nhd2", want, d), eps,
+                                                     neox, hw)
+            graph.replay()
+            torch.cuda.synchronize()
+            kept = slots[slots >= 0]
+            for i, (got, ref, o) in enumerate(zip(backing, want, orig)):
+                assert not torch.isnan(got).any(), f"replay {rnd}: NaN in layer {i}"
+                written = torch.zeros_like(got, dtype=torch.bool)
+                written[kept // bs, :, kept % bs] = True  # [nb, 2, bs, Hkv, D]: K and V rows
+                assert torch.equal(got[~written], o[~written]), \
+                    f"replay {rnd} layer {i}: an element outside the valid slots changed"
+                # within a few ulps of the reference (K: norm + RoPE; V: one rounding)
+                tol = 4 * torch.finfo(dtype).eps * max(1.0, ref.float().abs().max().item())
+                err = (got.float() - ref.float()).abs().max().item()
+                assert err <= tol, f"replay {rnd} layer {i}: max err {err:.3e} > {tol:.1e}"
+
+
+# opcheck (schema mutations, fake kernel, AOT dispatch) with the Triton kernels forced; the cases
+# are tests/test_opcheck.py's
+_OPCHECK = [pytest.param(op, build, id=f"{op}-{cid}") for op, cid, build in opcheck_cases.CASES
+            if op in ("kv_proj", "context_kv_")]
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("op, build", _OPCHECK)
+def test_opcheck_triton(op, build, dtype):
+    _need(op)
+    with dflash_ops.use_backend("triton", ops=[op]):
+        opcheck_cases._opcheck(op, build, dtype, DEV)

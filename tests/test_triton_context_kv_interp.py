@@ -1,0 +1,255 @@
+"""The Triton ``kv_proj`` and fused ``context_kv_`` kernels on CPU under TRITON_INTERPRET=1
+against the PyTorch reference (the default backend on CPU).
+
+TRITON_INTERPRET must be set before triton is imported, so each test runs its checks in a
+subprocess (repo root as cwd, no CUDA). fp16/fp32 only (tl.dot on bf16 is wrong in the
+interpreter). Tolerance (DESIGN.md): max error against an fp32 reference at most 2x the error of
+the reference run in the test dtype, plus a small atol. For ``context_kv_`` whole cache buffers
+are compared: every element no valid token's slot maps to keeps its random value bit for bit,
+the V rows equal the fp32 GEMM rounded to the dtype up to one rounding step (the Triton GEMM
+sums in another order), the K rows pass the tolerance rule.
+
+The ``check_*`` functions take a device and dtypes, so tests/test_context_kv_gpu.py reuses them.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dflash_ops
+from dflash_ops.ops.rope import make_cos_sin_cache
+
+OPS = torch.ops.dflash
+INTERP_DTYPES = (torch.float16, torch.float32)
+P = 40  # cos/sin table rows
+EPS = 1e-6
+
+
+def _rnd(gen, *shape, dtype, device, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=device)
+
+
+def _tol_check(out, ref_dtype, ref_fp32, what):
+    assert not torch.isnan(out).any(), f"{what}: NaN in output"
+    err = (out.float() - ref_fp32).abs().max().item() if out.numel() else 0.0
+    base = (ref_dtype.float() - ref_fp32).abs().max().item() if out.numel() else 0.0
+    atol = 1e-5 * max(1.0, ref_fp32.abs().max().item() if out.numel() else 1.0)
+    assert err <= 2 * base + atol, f"{what}: max err {err:.3e} > 2 * {base:.3e} + {atol:.1e}"
+
+
+def _ulp(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of x's dtype at |x| (as fp32), for 'equal up to one rounding'."""
+    finfo = torch.finfo(x.dtype)
+    xf = x.float().abs().clamp_min(finfo.tiny)
+    return torch.exp2(torch.floor(torch.log2(xf))) * finfo.eps
+
+
+# ------------------------------------------------------------------------------------ kv_proj
+def check_kv_proj(device, dtypes=INTERP_DTYPES,
+                  shapes=((1, 48, 40), (7, 128, 96), (33, 40, 200), (70, 64, 72)), strided=True):
+    gen = torch.Generator().manual_seed(11)
+    for dtype in dtypes:
+        for t, h, n in shapes:
+            for with_bias in (False, True):
+                what = f"kv_proj {dtype} T={t} H={h} N={n} bias={with_bias}"
+                scale = h ** -0.5
+                x = _rnd(gen, t, h, dtype=dtype, device=device)
+                if strided:  # x as a column slice of a wider buffer
+                    x = torch.cat([x, _rnd(gen, t, 8, dtype=dtype, device=device)], 1)[:, :h]
+                w = _rnd(gen, n, h, dtype=dtype, device=device, scale=scale)
+                b = _rnd(gen, n, dtype=dtype, device=device) if with_bias else None
+                ref = OPS.kv_proj(x, w, b)
+                ref32 = torch.nn.functional.linear(x.float(), w.float(),
+                                                   None if b is None else b.float())
+                with dflash_ops.use_backend("triton", ops=["kv_proj"]):
+                    out = OPS.kv_proj(x, w, b)
+                assert out.shape == (t, n) and out.dtype == dtype, what
+                _tol_check(out, ref, ref32, what)
+
+
+# ------------------------------------------------------------------------------------ context_kv_
+def _table(r, device, strided=False):
+    cs = make_cos_sin_cache(P, r, base=100.0, device="cpu")
+    if strided:  # columns of a column-major wider table: strides (1, P)
+        cs = torch.cat([cs, torch.full((P, 6), float("nan"))], 1).t().contiguous().t()[:, :r]
+    return cs.to(device)
+
+
+def _positions(t, gen, device):
+    pos = torch.randint(0, P, (t,), generator=gen)
+    bad = torch.tensor([-1, P, P + 100, 2**40])
+    n = min(len(bad), t // 3)
+    if n:
+        pos[torch.randperm(t, generator=gen)[:n]] = bad[:n]
+    return pos.to(device)
+
+
+def _slots(t, n_slots, gen):
+    """Distinct shuffled slots, with padding (-1) and out-of-range ones mixed in."""
+    slots = torch.randperm(max(n_slots, t), generator=gen)[:t]
+    slots[slots >= n_slots] = -1
+    bad = torch.tensor([-1, n_slots, -1, n_slots + 7, 2**40, -(2**40)])
+    n = min(len(bad), t // 3)
+    slots[torch.randperm(t, generator=gen)[:n]] = bad[:n]
+    return slots
+
+
+def _backing(layout, n_layers, nb, bs, hkv, d, dtype, device, gen):
+    shape = {"separate": (nb, bs, hkv, d), "nhd2": (nb, 2, bs, hkv, d),
+             "hnd2d": (nb, hkv, bs, 2 * d)}[layout]
+    n = 2 * n_layers if layout == "separate" else n_layers
+    return [_rnd(gen, *shape, dtype=dtype, device=device) for _ in range(n)]
+
+
+def cache_views(layout, backing, d):
+    """(k_caches, v_caches): the per-layer [num_blocks, block_size, Hkv, D] views of backing."""
+    if layout == "separate":  # 2L tensors [num_blocks, block_size, Hkv, D]: K's then V's
+        n = len(backing) // 2
+        return backing[:n], backing[n:]
+    if layout == "nhd2":  # vLLM [num_blocks, 2, block_size, Hkv, D]
+        return [x[:, 0] for x in backing], [x[:, 1] for x in backing]
+    if layout == "hnd2d":  # vLLM >= 0.33 [num_blocks, Hkv, block_size, 2*D]
+        return ([x[..., :d].permute(0, 2, 1, 3) for x in backing],
+                [x[..., d:].permute(0, 2, 1, 3) for x in backing])
+    raise ValueError(layout)
+
+
+def run_context_case(device, dtype, t, h, n_layers, hkv, d, r, neox, layout, with_bias,
+                     hidden_norm, gen, nb=5, bs=4, strided_table=False):
+    """One context_kv_ case, checked against the reference; returns nothing, raises on error."""
+    what = (f"context_kv_ {dtype} T={t} H={h} L={n_layers} Hkv={hkv} D={d} R={r} neox={neox} "
+            f"{layout} bias={with_bias} hidden_norm={hidden_norm}")
+    n = n_layers * 2 * hkv * d
+    x = _rnd(gen, t, h, dtype=dtype, device=device)
+    w = _rnd(gen, n, h, dtype=dtype, device=device, scale=h ** -0.5)
+    b = _rnd(gen, n, dtype=dtype, device=device, scale=0.5) if with_bias else None
+    kw = 1 + 0.1 * _rnd(gen, n_layers, d, dtype=dtype, device=device)
+    hw = (1 + 0.1 * _rnd(gen, h, dtype=dtype, device=device)) if hidden_norm else None
+    pos = _positions(t, gen, device)
+    cs = _table(r, device, strided_table)
+    slots = _slots(t, nb * bs, gen).to(device)
+    backing = _backing(layout, n_layers, nb, bs, hkv, d, dtype, device, gen)
+    orig = [c.clone() for c in backing]
+    want = [c.clone() for c in backing]
+    want32 = [c.float() for c in backing]
+
+    def args(bk, f32=False):
+        cast = (lambda z: None if z is None else z.float()) if f32 else (lambda z: z)
+        return (cast(x), cast(w), cast(b), cast(kw), pos, cs, slots,
+                *cache_views(layout, bk, d), EPS, neox, cast(hw))
+
+    with dflash_ops.use_backend("torch", ops=["context_kv_"]):
+        OPS.context_kv_(*args(want))
+        OPS.context_kv_(*args(want32, f32=True))
+    with dflash_ops.use_backend("triton", ops=["context_kv_"]):
+        OPS.context_kv_(*args(backing))
+
+    n_slots = nb * bs
+    keep = (slots >= 0) & (slots < n_slots)
+    kept = slots[keep]
+    blk, row = kept // bs, kept % bs
+    # untouched elements: bit for bit (mark written rows in a mask of each cache view)
+    for i, (got, ref, o) in enumerate(zip(backing, want, orig)):
+        assert not torch.isnan(got).any(), f"{what}: NaN in backing tensor {i}"
+        written = torch.zeros_like(got, dtype=torch.bool)
+        for view in (cache_views(layout, [written] * (2 if layout == "separate" else 1), d)):
+            for c in view:
+                c[blk, row] = True
+        assert torch.equal(got[~written], o[~written]), f"{what}: untouched element changed ({i})"
+        assert torch.equal(ref[~written], o[~written]), f"{what}: reference touched too much"
+    if not bool(keep.any()):
+        return
+    kc, vc = cache_views(layout, backing, d)
+    kr, vr = cache_views(layout, want, d)
+    kr32, vr32 = cache_views(layout, want32, d)
+    for layer in range(n_layers):
+        g_k, r_k, r32_k = kc[layer][blk, row], kr[layer][blk, row], kr32[layer][blk, row]
+        g_v, r_v, r32_v = vc[layer][blk, row], vr[layer][blk, row], vr32[layer][blk, row]
+        _tol_check(g_k, r_k, r32_k, f"{what} K layer {layer}")
+        _tol_check(g_v, r_v, r32_v, f"{what} V layer {layer}")
+        if not hidden_norm and dtype != torch.float32:
+            # V = round(fp32 GEMM): within one rounding step of the reference (plus the fp32
+            # summation-order difference, far below a 16-bit ulp)
+            diff = (g_v.float() - r_v.float()).abs()
+            slack = 1e-4 * max(1.0, r32_v.abs().max().item())
+            assert bool((diff <= _ulp(r_v) * 1.01 + slack).all()), f"{what}: V off by > 1 ulp"
+
+
+CONTEXT_CASES = [
+    # (t, h, L, Hkv, D, R, neox, layout, bias, hidden_norm)
+    (1, 32, 2, 1, 64, 64, True, "separate", False, False),
+    (7, 48, 1, 2, 128, 128, False, "nhd2", True, False),
+    (13, 40, 2, 1, 64, 32, True, "nhd2", False, True),
+    (9, 64, 1, 1, 128, 96, True, "separate", True, True),   # R not a power of two (gather)
+    (6, 32, 1, 2, 64, 48, False, "hnd2d", False, False),
+    (33, 32, 1, 1, 64, 64, False, "separate", False, True),
+    (5, 128, 3, 2, 128, 128, True, "hnd2d", True, False),
+    (4, 16, 1, 1, 256, 128, False, "nhd2", False, True),
+    (16, 32, 2, 1, 64, 16, True, "nhd2", True, False),
+    (130, 32, 1, 1, 64, 64, True, "separate", False, False),  # two row tiles of 128
+    (5, 32, 2, 2, 16, 2, True, "nhd2", True, False),  # D 16, R 2
+    (3, 32, 1, 1, 32, 6, True, "separate", False, False),  # gather with a tiny R
+]
+
+
+def check_context_kv_huge_slots(device, dtype=torch.float16, d=64, hkv=2, n_layers=2, h=32):
+    """num_blocks * block_size >= 2^31 (64-bit slot math) without the memory: caches whose
+    block stride is 0 (every block aliases block 0), so slot s lands on row s % block_size; the
+    expected result is the reference on a one-block cache with slots s % block_size."""
+    gen = torch.Generator().manual_seed(13)
+    nb, bs = 2**30, 16
+    slots = torch.tensor([2**31 + 3, -1, 5 * 2**31 + 7, nb * bs, 2**33 + 12, nb * bs - 1])
+    t = len(slots)
+    small = torch.where((slots >= 0) & (slots < nb * bs), slots % bs, -1).to(device)
+    n = n_layers * 2 * hkv * d
+    x = _rnd(gen, t, h, dtype=dtype, device=device)
+    w = _rnd(gen, n, h, dtype=dtype, device=device, scale=h ** -0.5)
+    kw = 1 + 0.1 * _rnd(gen, n_layers, d, dtype=dtype, device=device)
+    pos = _positions(t, gen, device)
+    cs = _table(d, device)
+    base = [_rnd(gen, 2, 1, bs, hkv, d, dtype=dtype, device=device) for _ in range(n_layers)]
+    want = [b.clone() for b in base]
+    with dflash_ops.use_backend("torch", ops=["context_kv_"]):
+        OPS.context_kv_(x, w, None, kw, pos, cs, small, [b[0] for b in want],
+                        [b[1] for b in want], EPS, True)
+    kc = [b[0].expand(nb, bs, hkv, d) for b in base]
+    vc = [b[1].expand(nb, bs, hkv, d) for b in base]
+    with dflash_ops.use_backend("triton", ops=["context_kv_"]):
+        OPS.context_kv_(x, w, None, kw, pos, cs, slots.to(device), kc, vc, EPS, True)
+    for layer in range(n_layers):
+        assert not torch.isnan(base[layer]).any(), f"huge-slot context_kv_ layer {layer}: NaN"
+        diff = (base[layer].float() - want[layer].float()).abs().max().item()
+        tol = 4 * torch.finfo(dtype).eps * max(1.0, want[layer].abs().max().item())
+        assert diff <= tol, f"huge-slot context_kv_ layer {layer}: max err {diff:.3e} > {tol:.1e}"
+
+
+
+def check_context_kv(device, dtypes=INTERP_DTYPES, cases=CONTEXT_CASES):
+    gen = torch.Generator().manual_seed(12)
+    for dtype in dtypes:
+        for i, (t, h, n_layers, hkv, d, r, neox, layout, bias, hn) in enumerate(cases):
+            run_context_case(device, dtype, t, h, n_layers, hkv, d, r, neox, layout, bias, hn,
+                             gen, strided_table=(i % 2 == 1))
+
+
+# --------------------------------------------------------------------------------------------
+_SCRIPT = r"""
+import sys, torch, dflash_ops
+import tests.test_triton_context_kv_interp as t
+getattr(t, "check_" + sys.argv[1])("cpu")
+if sys.argv[1] == "context_kv":
+    t.check_context_kv_huge_slots("cpu")
+print("interp-ok")
+"""
+
+
+@pytest.mark.parametrize("what", ["kv_proj", "context_kv"])
+def test_triton_context_kv_interpreter_cpu(what):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
+               DFLASH_OPS_EXPERIMENTAL="1")
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, what], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "interp-ok" in proc.stdout, proc.stdout + proc.stderr
