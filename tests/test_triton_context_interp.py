@@ -27,6 +27,8 @@ P = 40  # cos/sin table rows
 
 def _tol_check(out, ref_dtype, ref_fp32, what):
     assert not torch.isnan(out).any(), f"{what}: NaN in output"
+    if out.numel() == 0:
+        return
     err = (out.float() - ref_fp32).abs().max().item()
     base = (ref_dtype.float() - ref_fp32).abs().max().item()
     atol = 1e-5 * max(1.0, ref_fp32.abs().max().item())
@@ -146,9 +148,9 @@ def _cache_views(layout, backing, d):
     if layout == "separate":  # 2L tensors [num_blocks, block_size, Hkv, D]: K's then V's
         n = len(backing) // 2
         return backing[:n], backing[n:]
-    if layout == "nhd2":  # [num_blocks, 2, block_size, Hkv, D]
+    if layout == "nhd2":  # vLLM [num_blocks, 2, block_size, Hkv, D]
         return [x[:, 0] for x in backing], [x[:, 1] for x in backing]
-    if layout == "hnd2d":  # [num_blocks, Hkv, block_size, 2*D], K and V side by side
+    if layout == "hnd2d":  # vLLM >= 0.33 [num_blocks, Hkv, block_size, 2*D], K and V side by side
         return ([x[..., :d].permute(0, 2, 1, 3) for x in backing],
                 [x[..., d:].permute(0, 2, 1, 3) for x in backing])
     raise ValueError(layout)

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import dflash_ops
-from dflash_ops.ops.rope import make_cos_sin_cache
+from tests.test_triton_context_interp import (  # shared helpers: tolerance rule, tables, caches
+    _backing, _cache_views as cache_views, _table, _tol_check)
 
 OPS = torch.ops.dflash
 INTERP_DTYPES = (torch.float16, torch.float32)
@@ -29,14 +30,6 @@ EPS = 1e-6
 
 def _rnd(gen, *shape, dtype, device, scale=1.0):
     return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=device)
-
-
-def _tol_check(out, ref_dtype, ref_fp32, what):
-    assert not torch.isnan(out).any(), f"{what}: NaN in output"
-    err = (out.float() - ref_fp32).abs().max().item() if out.numel() else 0.0
-    base = (ref_dtype.float() - ref_fp32).abs().max().item() if out.numel() else 0.0
-    atol = 1e-5 * max(1.0, ref_fp32.abs().max().item() if out.numel() else 1.0)
-    assert err <= 2 * base + atol, f"{what}: max err {err:.3e} > 2 * {base:.3e} + {atol:.1e}"
 
 
 def _ulp(x: torch.Tensor) -> torch.Tensor:
@@ -70,13 +63,6 @@ def check_kv_proj(device, dtypes=INTERP_DTYPES,
 
 
 # ------------------------------------------------------------------------------------ context_kv_
-def _table(r, device, strided=False):
-    cs = make_cos_sin_cache(P, r, base=100.0, device="cpu")
-    if strided:  # columns of a column-major wider table: strides (1, P)
-        cs = torch.cat([cs, torch.full((P, 6), float("nan"))], 1).t().contiguous().t()[:, :r]
-    return cs.to(device)
-
-
 def _positions(t, gen, device):
     pos = torch.randint(0, P, (t,), generator=gen)
     bad = torch.tensor([-1, P, P + 100, 2**40])
@@ -94,26 +80,6 @@ def _slots(t, n_slots, gen):
     n = min(len(bad), t // 3)
     slots[torch.randperm(t, generator=gen)[:n]] = bad[:n]
     return slots
-
-
-def _backing(layout, n_layers, nb, bs, hkv, d, dtype, device, gen):
-    shape = {"separate": (nb, bs, hkv, d), "nhd2": (nb, 2, bs, hkv, d),
-             "hnd2d": (nb, hkv, bs, 2 * d)}[layout]
-    n = 2 * n_layers if layout == "separate" else n_layers
-    return [_rnd(gen, *shape, dtype=dtype, device=device) for _ in range(n)]
-
-
-def cache_views(layout, backing, d):
-    """(k_caches, v_caches): the per-layer [num_blocks, block_size, Hkv, D] views of backing."""
-    if layout == "separate":  # 2L tensors [num_blocks, block_size, Hkv, D]: K's then V's
-        n = len(backing) // 2
-        return backing[:n], backing[n:]
-    if layout == "nhd2":  # vLLM [num_blocks, 2, block_size, Hkv, D]
-        return [x[:, 0] for x in backing], [x[:, 1] for x in backing]
-    if layout == "hnd2d":  # vLLM >= 0.33 [num_blocks, Hkv, block_size, 2*D]
-        return ([x[..., :d].permute(0, 2, 1, 3) for x in backing],
-                [x[..., d:].permute(0, 2, 1, 3) for x in backing])
-    raise ValueError(layout)
 
 
 def run_context_case(device, dtype, t, h, n_layers, hkv, d, r, neox, layout, with_bias,
