@@ -1,4 +1,4 @@
-"""The Triton ``kv_proj`` and fused ``context_kv_`` on the GPU against the PyTorch reference.
+"""The Triton and CUDA ``kv_proj`` and ``context_kv_`` on the GPU against the PyTorch reference.
 
 The checks are those of tests/test_triton_context_kv_interp.py (whole cache buffers compared,
 untouched elements bit for bit, -1 and out-of-range slots, positions outside the table, K within
@@ -6,7 +6,7 @@ untouched elements bit for bit, -1 and out-of-range slots, positions outside the
 few fp16/fp32) over the issue's grid: T 1/7/16/257/4096, L 1/5/8, Hkv 1/4/8, D 64/128/256,
 NeoX and GPT-J, full and partial rotary (one R not a power of two: the tl.gather path), caches as
 separate tensors and as vLLM views, hidden_norm on and off; plus a CUDA-graph capture/replay.
-The Triton backend is forced (dispatch keeps ``torch`` as these ops' default until measured).
+Each backend (triton, cuda) is forced in turn; a backend without the op skips with the reason.
 """
 from __future__ import annotations
 
@@ -24,10 +24,13 @@ DEV = "cuda"
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 
-def _need(op: str) -> None:
-    if not dispatch.has_backend(op, "triton"):
-        pytest.skip(f"no triton kernel for {op} (available: {dispatch.available_backends(op)}; "
-                    "the context kernels need DFLASH_OPS_EXPERIMENTAL=1 until verified on a GPU)")
+BACKENDS = ["triton", "cuda"]
+
+
+def _need(op: str, backend: str = "triton") -> None:
+    if not dispatch.has_backend(op, backend):
+        pytest.skip(f"no {backend} kernel for {op} (available: "
+                    f"{dispatch.available_backends(op)})")
 
 
 # (T, H, N): Qwen3-8B / 4B / 27B-DFlash2 / gpt-oss-20b K/V widths, plus ragged ones
@@ -36,16 +39,18 @@ PROJ_SHAPES = [(1, 4096, 10240), (7, 2560, 10240), (16, 4096, 10240), (33, 5120,
                (1000, 1000, 1000)]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [BF16, FP16])
 @pytest.mark.parametrize("shape", PROJ_SHAPES, ids=lambda s: "T{}_H{}_N{}".format(*s))
-def test_kv_proj(shape, dtype):
-    _need("kv_proj")
-    interp.check_kv_proj(DEV, (dtype,), shapes=(shape,))
+def test_kv_proj(shape, dtype, backend):
+    _need("kv_proj", backend)
+    interp.check_kv_proj(DEV, (dtype,), shapes=(shape,), backend=backend)
 
 
-def test_kv_proj_fp32():
-    _need("kv_proj")
-    interp.check_kv_proj(DEV, (FP32,), shapes=((7, 256, 384), (300, 128, 256)))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kv_proj_fp32(backend):
+    _need("kv_proj", backend)
+    interp.check_kv_proj(DEV, (FP32,), shapes=((7, 256, 384), (300, 128, 256)), backend=backend)
 
 
 # (T, H, L, Hkv, D, R, neox, layout, bias, hidden_norm)
@@ -69,37 +74,45 @@ def _case_id(c):
             f"{'_bias' if bias else ''}{'_hn' if hn else ''}")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [BF16, FP16])
 @pytest.mark.parametrize("case", CONTEXT_CASES, ids=_case_id)
-def test_context_kv(case, dtype):
-    _need("context_kv_")
+def test_context_kv(case, dtype, backend):
+    _need("context_kv_", backend)
     t, h, n_layers, hkv, d, r, neox, layout, bias, hn = case
     if dtype == FP16 and t * h * n_layers > 4096 * 4096:
         pytest.skip("fp16 covered on the smaller cases")
     bs = 16
     gen = torch.Generator().manual_seed(t * 131 + h)
     interp.run_context_case(DEV, dtype, t, h, n_layers, hkv, d, r, neox, layout, bias, hn, gen,
-                            nb=t // bs + 3, bs=bs, strided_table=(t % 2 == 1))
+                            nb=t // bs + 3, bs=bs, strided_table=(t % 2 == 1), backend=backend)
 
 
-def test_context_kv_fp32():
-    _need("context_kv_")
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("t", [33, 300])
+def test_context_kv_fp32(backend, t):
+    _need("context_kv_", backend)
     gen = torch.Generator().manual_seed(7)
-    interp.run_context_case(DEV, FP32, 33, 256, 2, 2, 128, 128, True, "nhd2", True, True, gen,
-                            nb=5, bs=16)
+    interp.run_context_case(DEV, FP32, t, 256, 2, 2, 128, 128, True, "nhd2", True, True, gen,
+                            nb=t // 16 + 3, bs=16, backend=backend)
 
 
-def test_context_kv_huge_slots():
-    _need("context_kv_")
-    interp.check_context_kv_huge_slots(DEV, dtype=BF16, d=128, hkv=8, n_layers=5, h=256)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_context_kv_huge_slots(backend):
+    _need("context_kv_", backend)
+    interp.check_context_kv_huge_slots(DEV, dtype=BF16, d=128, hkv=8, n_layers=5, h=256,
+                                       backend=backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("t", [16, 256])
 @pytest.mark.parametrize("hidden_norm", [False, True])
-def test_context_kv_cuda_graph(hidden_norm):
+def test_context_kv_cuda_graph(hidden_norm, t, backend):
     """Warm up once (compiles, builds the cache table), capture, then replay with new inputs
     copied into the static buffers (T padded to a bucket; padded rows' slots = -1)."""
-    _need("context_kv_")
-    t, h, n_layers, hkv, d, nb, bs = 16, 1024, 5, 8, 128, 8, 16
+    _need("context_kv_", backend)
+    h, n_layers, hkv, d, bs = 1024, 5, 8, 128, 16
+    nb = t // bs + 4
     dtype, eps, neox = BF16, 1e-6, True
     n = n_layers * 2 * hkv * d
     w = (torch.randn(n, h, device=DEV) * h ** -0.5).to(dtype)
@@ -123,7 +136,7 @@ def test_context_kv_cuda_graph(hidden_norm):
         perm[valid:] = -1  # the bucket's padding rows
         slots.copy_(perm)
 
-    with dflash_ops.use_backend("triton", ops=["context_kv_"]):
+    with dflash_ops.use_backend(backend, ops=["context_kv_"]):
         fill(t)
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -133,7 +146,7 @@ def test_context_kv_cuda_graph(hidden_norm):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             call()
-        for rnd, valid in enumerate((t, 9, 1)):
+        for rnd, valid in enumerate((t, t // 2 + 1, 1)):
             fill(valid)
             for b in backing:
                 b.copy_(torch.randn_like(b, dtype=torch.float32).to(dtype))
@@ -164,9 +177,22 @@ _OPCHECK = [pytest.param(op, build, id=f"{op}-{cid}") for op, cid, build in opch
             if op in ("kv_proj", "context_kv_")]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("op, build", _OPCHECK)
-def test_opcheck_triton(op, build, dtype):
-    _need(op)
-    with dflash_ops.use_backend("triton", ops=[op]):
+def test_opcheck_backend(op, build, dtype, backend):
+    _need(op, backend)
+    with dflash_ops.use_backend(backend, ops=[op]):
         opcheck_cases._opcheck(op, build, dtype, DEV)
+
+
+def test_context_kv_launch_variants():
+    """TMA vs pointer loads, hidden_norm folded vs a first pass, persistent vs one program per
+    tile (the variants the default configs may not reach), on the interpreter tests' cases."""
+    _need("context_kv_")
+    interp.check_context_variants(DEV, dtypes=(BF16, FP16))
+
+
+def test_kv_proj_launch_variants():
+    _need("kv_proj")
+    interp.check_kv_proj_variants(DEV)

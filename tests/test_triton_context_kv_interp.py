@@ -41,7 +41,10 @@ def _ulp(x: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------ kv_proj
 def check_kv_proj(device, dtypes=INTERP_DTYPES,
-                  shapes=((1, 48, 40), (7, 128, 96), (33, 40, 200), (70, 64, 72)), strided=True):
+                  shapes=((1, 48, 40), (7, 128, 96), (33, 40, 200), (70, 64, 72), (5, 36, 48)),
+                  strided=True, backend="triton", cfgs=(None,)):
+    """kv_proj with ``backend`` forced (or, for each config in ``cfgs`` other than None, the
+    Triton kernel with that launch config); H = 36 rows are not 16-byte aligned (no TMA)."""
     gen = torch.Generator().manual_seed(11)
     for dtype in dtypes:
         for t, h, n in shapes:
@@ -56,10 +59,15 @@ def check_kv_proj(device, dtypes=INTERP_DTYPES,
                 ref = OPS.kv_proj(x, w, b)
                 ref32 = torch.nn.functional.linear(x.float(), w.float(),
                                                    None if b is None else b.float())
-                with dflash_ops.use_backend("triton", ops=["kv_proj"]):
-                    out = OPS.kv_proj(x, w, b)
-                assert out.shape == (t, n) and out.dtype == dtype, what
-                _tol_check(out, ref, ref32, what)
+                for cfg in cfgs:
+                    if cfg is None:
+                        with dflash_ops.use_backend(backend, ops=["kv_proj"]):
+                            out = OPS.kv_proj(x, w, b)
+                    else:
+                        from dflash_ops.triton.context import kv_proj
+                        out = kv_proj(x, w, b, cfg=cfg)
+                    assert out.shape == (t, n) and out.dtype == dtype, f"{what} {cfg}"
+                    _tol_check(out, ref, ref32, f"{what} {cfg}")
 
 
 # ------------------------------------------------------------------------------------ context_kv_
@@ -83,8 +91,10 @@ def _slots(t, n_slots, gen):
 
 
 def run_context_case(device, dtype, t, h, n_layers, hkv, d, r, neox, layout, with_bias,
-                     hidden_norm, gen, nb=5, bs=4, strided_table=False):
-    """One context_kv_ case, checked against the reference; returns nothing, raises on error."""
+                     hidden_norm, gen, nb=5, bs=4, strided_table=False, impl=None, backend="triton"):
+    """One context_kv_ case, checked against the reference; returns nothing, raises on error.
+    ``impl``: a function with the op's arguments run instead of the op with ``backend`` forced
+    (e.g. the Triton kernel with a given launch config)."""
     what = (f"context_kv_ {dtype} T={t} H={h} L={n_layers} Hkv={hkv} D={d} R={r} neox={neox} "
             f"{layout} bias={with_bias} hidden_norm={hidden_norm}")
     n = n_layers * 2 * hkv * d
@@ -109,8 +119,11 @@ def run_context_case(device, dtype, t, h, n_layers, hkv, d, r, neox, layout, wit
     with dflash_ops.use_backend("torch", ops=["context_kv_"]):
         OPS.context_kv_(*args(want))
         OPS.context_kv_(*args(want32, f32=True))
-    with dflash_ops.use_backend("triton", ops=["context_kv_"]):
-        OPS.context_kv_(*args(backing))
+    if impl is not None:
+        impl(*args(backing))
+    else:
+        with dflash_ops.use_backend(backend, ops=["context_kv_"]):
+            OPS.context_kv_(*args(backing))
 
     n_slots = nb * bs
     keep = (slots >= 0) & (slots < n_slots)
@@ -157,10 +170,38 @@ CONTEXT_CASES = [
     (130, 32, 1, 1, 64, 64, True, "separate", False, False),  # two row tiles of 128
     (5, 32, 2, 2, 16, 2, True, "nhd2", True, False),  # D 16, R 2
     (3, 32, 1, 1, 32, 6, True, "separate", False, False),  # gather with a tiny R
+    (6, 36, 2, 1, 64, 64, True, "nhd2", False, True),  # rows not 16-byte aligned: no TMA
 ]
 
 
-def check_context_kv_huge_slots(device, dtype=torch.float16, d=64, hkv=2, n_layers=2, h=32):
+def check_context_variants(device, dtypes=(torch.float16,)):
+    """The Triton launch variants the default configs may not reach at small sizes: pointer
+    loads vs TMA, hidden_norm folded vs a first pass, the split path (kv_proj, then the
+    epilogue alone) vs one fused kernel, each on a few cases."""
+    from dflash_ops.triton import context as tc
+    gen = torch.Generator().manual_seed(14)
+    for dtype in dtypes:
+        for tma, fold, split in ((False, False, False), (False, True, True),
+                                 (True, False, True), (True, True, False)):
+            for (t, h, n_layers, hkv, d, r, neox, layout, bias, hn) in CONTEXT_CASES[1:4]:
+                cfg = tc.context_config(t, d, 2)._replace(tma=tma, fold=fold, split=split)
+
+                def impl(*a, cfg=cfg):
+                    tc.context_kv_(*a, cfg=cfg)
+                run_context_case(device, dtype, t, h, n_layers, hkv, d, r, neox, layout,
+                                 bias, hn, gen, impl=impl)
+
+
+def check_kv_proj_variants(device):
+    from dflash_ops.triton import context as tc
+    cfgs = [tc.ProjCfg(16, 32, 32, 8, 4, 2, False), tc.ProjCfg(32, 64, 64, 4, 4, 3, True),
+            tc.ProjCfg(64, 128, 32, 1, 8, 2, True), tc.ProjCfg(16, 16, 32, 2, 4, 2, True, True),
+            tc.ProjCfg(16, 32, 16, 8, 4, 2, False, True)]
+    check_kv_proj(device, (torch.float16,), shapes=((7, 128, 96), (70, 64, 200)), cfgs=cfgs)
+
+
+def check_context_kv_huge_slots(device, dtype=torch.float16, d=64, hkv=2, n_layers=2, h=32,
+                                backend="triton"):
     """num_blocks * block_size >= 2^31 (64-bit slot math) without the memory: caches whose
     block stride is 0 (every block aliases block 0), so slot s lands on row s % block_size; the
     expected result is the reference on a one-block cache with slots s % block_size."""
@@ -182,7 +223,7 @@ def check_context_kv_huge_slots(device, dtype=torch.float16, d=64, hkv=2, n_laye
                         [b[1] for b in want], EPS, True)
     kc = [b[0].expand(nb, bs, hkv, d) for b in base]
     vc = [b[1].expand(nb, bs, hkv, d) for b in base]
-    with dflash_ops.use_backend("triton", ops=["context_kv_"]):
+    with dflash_ops.use_backend(backend, ops=["context_kv_"]):
         OPS.context_kv_(x, w, None, kw, pos, cs, slots.to(device), kc, vc, EPS, True)
     for layer in range(n_layers):
         assert not torch.isnan(base[layer]).any(), f"huge-slot context_kv_ layer {layer}: NaN"
@@ -207,6 +248,9 @@ import tests.test_triton_context_kv_interp as t
 getattr(t, "check_" + sys.argv[1])("cpu")
 if sys.argv[1] == "context_kv":
     t.check_context_kv_huge_slots("cpu")
+    t.check_context_variants("cpu")
+else:
+    t.check_kv_proj_variants("cpu")
 print("interp-ok")
 """
 
@@ -214,8 +258,7 @@ print("interp-ok")
 @pytest.mark.parametrize("what", ["kv_proj", "context_kv"])
 def test_triton_context_kv_interpreter_cpu(what):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
-               DFLASH_OPS_EXPERIMENTAL="1")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, "-c", _SCRIPT, what], cwd=root, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "interp-ok" in proc.stdout, proc.stdout + proc.stderr

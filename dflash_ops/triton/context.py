@@ -1,39 +1,48 @@
 """Triton GEMMs of the context K/V path: ``kv_proj`` and the fused ``context_kv_``.
 
-One tiled GEMM kernel (tl.dot, fp32 accumulation, bias added in fp32, one rounding to the
-dtype) serves both ops; a constexpr picks the epilogue:
+One tiled GEMM (tl.dot, fp32 accumulation, bias added in fp32, one rounding to the dtype)
+serves both ops. x and w are read through TMA tensor descriptors when they allow it (16-bit,
+16-byte aligned rows; ``tma_ok``), else through pointers. ``kv_proj`` may run persistent (one
+program per SM walking the tiles, ``tl.range(..., flatten=True)``): that is what brings large T
+to cuBLAS (Triton 3.6 has no warp specialization on Hopper).
 
-* ``kv_proj``: store the [BLOCK_M, BLOCK_N] tile of out[T, N] (ragged T and N masked).
-* ``context_kv_``: BLOCK_N = D, so an N tile is exactly one head of the layer-major
+``context_kv_`` has one kernel with two modes:
+
+* fused (T <= SPLIT_T): BLOCK_N = D, so an N tile is exactly one head of the layer-major
   ``[L, 2, Hkv, D]`` column order; its (layer, K/V, head) follow from the tile's column index.
-  The accumulator is rounded to the dtype (as ``kv_proj_ref`` does); a V tile goes straight to
-  the layer's V cache; a K tile gets the per-row RMSNorm with k_weight[layer] (HF rounding:
-  T(x * rstd), then T(normed * w)), RoPE at the token's position in fp32 on those rounded values
-  (NeoX or GPT-J, partial rotary R <= D, positions outside [0, P) unrotated), rounded once, and
-  goes to the layer's K cache. Slots < 0 or >= num_blocks * block_size are skipped. Caches are
-  addressed through ``triton.kv``'s cached per-layer table (offset + strides per layer), so a
-  CUDA-graph capture after one warm-up call copies nothing to the device.
+* split (larger T): ``kv_proj`` writes kv[T, N], then the kernel's epilogue alone reads it back
+  (FROM_KV): at large T the GEMM wants wider tiles than one head.
+
+The epilogue: the accumulator is rounded to the dtype (as ``kv_proj_ref`` does); a V tile goes
+straight to the layer's V cache; a K tile gets the per-row RMSNorm with k_weight[layer] (HF
+rounding: T(x * rstd), then T(normed * w)), RoPE at the token's position in fp32 on those
+rounded values (NeoX or GPT-J, partial rotary R <= D, positions outside [0, P) unrotated),
+rounded once, and goes to the layer's K cache. Slots < 0 or >= num_blocks * block_size are
+skipped. Caches are addressed through ``triton.kv``'s cached per-layer table (offset + strides
+per layer), so a CUDA-graph capture after one warm-up call copies nothing to the device.
 
 The rotation partner of each column is formed in registers: GPT-J pairs (2i, 2i+1) by a
 reshape to [BM, D/2, 2] and a split; NeoX pairs (i, i + R/2) by a reshape to
 [BM, D/R, 2, R/2] when R is a power of two (every real checkpoint), else by ``tl.gather``.
 
-``hidden_norm_weight``: for now a first pass (``triton.norm.rms_norm``, HF rounding) writes
-the normed x, then the GEMM reads it. TODO: fold it into the GEMM (pre-scaled weight columns and
-a per-row sum of squares accumulated in the K loop) once measured.
+``hidden_norm_weight``: either folded into the fused GEMM (the x tile scaled by the weight in
+registers, the row's sum of squares accumulated in the K loop, acc *= rstd at the end; one
+rounding of x * w instead of the reference's two), or a first ``rms_norm`` pass. The fold
+measured slower at every T on the H200, so it is off by default (CtxCfg.fold).
 
-Configs come from small functions of (T, N, H, D) below (no autotuning on the hot path). They
-were NOT yet measured on a GPU (2026-11-29): the dispatch tables keep ``torch`` as the default
-for both ops until they are. Skinny T (<= 64): narrow N tiles so that N = 10240 gives >= 2 x 132
-programs; no split-K yet (it needs an fp32 workspace and a second pass to keep one rounding).
+Configs are functions of (T, N, H, D) below, from benchmarks/sweep_context.py runs on the H200;
+no autotuning on the hot path.
 """
 from __future__ import annotations
 
+import functools
 import os
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import dispatch
 from . import kv as _kv
@@ -48,9 +57,8 @@ def _stages(want: int, bm: int, bn: int, bk: int, es: int) -> int:
 
 
 @triton.jit
-def _tile_ids(NUM_M, NUM_N, GROUP_M: tl.constexpr):
+def _tile_ids(pid, NUM_M, NUM_N, GROUP_M: tl.constexpr):
     # grouped ordering: GROUP_M row tiles share each run of column tiles (L2 reuse of w)
-    pid = tl.program_id(0)
     in_group = GROUP_M * NUM_N
     group = pid // in_group
     first_m = group * GROUP_M
@@ -61,51 +69,86 @@ def _tile_ids(NUM_M, NUM_N, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _gemm_tile(x_ptr, w_ptr, b_ptr, rows, cols, T, N, H, x_st_m, x_st_k, w_st_n, w_st_k, b_st,
+def _gemm_tile(x_ptr, w_ptr, g_ptr, b_ptr, rows, cols, m0, n0, T, N, H, x_st_m, x_st_k, w_st_n,
+               w_st_k, g_st, b_st, eps, TMA: tl.constexpr, HAS_NORM: tl.constexpr,
                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    # acc[BLOCK_M, BLOCK_N] = x[rows, :] @ w[cols, :]^T (+ bias[cols]) in fp32
+    # acc[BLOCK_M, BLOCK_N] = x[rows, :] @ w[cols, :]^T (+ bias[cols]) in fp32. TMA: x_ptr and
+    # w_ptr are tensor descriptors (blocks [BLOCK_M, BLOCK_K] / [BLOCK_N, BLOCK_K], out-of-range
+    # elements read as zero); else pointers, out-of-range rows/cols read row/col 0 (masked at
+    # the store) so that only K needs masks.
+    # HAS_NORM (hidden_norm folded in): the x tile is scaled by g[k] before the dot and the
+    # row's sum of squares accumulated on the way; acc *= rstd[row] after the loop.
     k = tl.arange(0, BLOCK_K)
-    rmask = rows < T
     cmask = cols < N
-    # out-of-range rows/cols read row 0 / col 0 (masked at the store): unmasked in M/N loads
-    r = tl.where(rmask, rows, 0).to(tl.int64)
-    c = tl.where(cmask, cols, 0).to(tl.int64)
-    a_ptrs = x_ptr + r[:, None] * x_st_m + k[None, :] * x_st_k
-    b_ptrs = w_ptr + c[:, None] * w_st_n + k[None, :] * w_st_k
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if not TMA:
+        r = tl.where(rows < T, rows, 0).to(tl.int64)
+        c = tl.where(cmask, cols, 0).to(tl.int64)
+        a_ptrs = x_ptr + r[:, None] * x_st_m + k[None, :] * x_st_k
+        b_ptrs = w_ptr + c[:, None] * w_st_n + k[None, :] * w_st_k
     for k0 in range(0, H, BLOCK_K):
-        if EVEN_K:
+        if TMA:
+            a = x_ptr.load([m0, k0])
+            b = w_ptr.load([n0, k0])
+        elif EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
         else:
             kmask = (k0 + k) < H
             a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=kmask[None, :], other=0.0)
-        if x_ptr.dtype.element_ty == tl.float32:  # fp32 in, fp32 math (no TF32)
+        if HAS_NORM:
+            a32 = a.to(tl.float32)
+            ss += tl.sum(a32 * a32, axis=1)
+            g = tl.load(g_ptr + (k0 + k) * g_st, mask=(k0 + k) < H, other=0.0).to(tl.float32)
+            a = (a32 * g[None, :]).to(a.dtype)
+        if a.dtype == tl.float32:  # fp32 in, fp32 math (no TF32)
             acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, tl.trans(b), acc)
-        a_ptrs += BLOCK_K * x_st_k
-        b_ptrs += BLOCK_K * w_st_k
+        if not TMA:
+            a_ptrs += BLOCK_K * x_st_k
+            b_ptrs += BLOCK_K * w_st_k
+    if HAS_NORM:
+        acc = acc * (1.0 / tl.sqrt(ss / H + eps))[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols * b_st, mask=cmask, other=0.0).to(tl.float32)[None, :]
     return acc
 
 
 @triton.jit
-def _kv_proj_kernel(x_ptr, w_ptr, b_ptr, out_ptr, T, N, H, x_st_m, x_st_k, w_st_n, w_st_k, b_st,
-                    o_st_m, NUM_M, NUM_N,
-                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
-    pid_m, pid_n = _tile_ids(NUM_M, NUM_N, GROUP_M)
+def _kv_proj_tile(tile, x_ptr, w_ptr, b_ptr, out_ptr, T, N, H, x_st_m, x_st_k, w_st_n, w_st_k,
+                  b_st, o_st_m, NUM_M, NUM_N, TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+    pid_m, pid_n = _tile_ids(tile, NUM_M, NUM_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = _gemm_tile(x_ptr, w_ptr, b_ptr, rows, cols, T, N, H, x_st_m, x_st_k, w_st_n, w_st_k,
-                     b_st, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+    acc = _gemm_tile(x_ptr, w_ptr, b_ptr, b_ptr, rows, cols, pid_m * BLOCK_M, pid_n * BLOCK_N,
+                     T, N, H, x_st_m, x_st_k, w_st_n, w_st_k, 0, b_st, 0.0, TMA, False,
+                     HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
     mask = (rows < T)[:, None] & (cols < N)[None, :]
     off = rows.to(tl.int64)[:, None] * o_st_m + cols[None, :]
     tl.store(out_ptr + off, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _kv_proj_kernel(x_ptr, w_ptr, b_ptr, out_ptr, T, N, H, x_st_m, x_st_k, w_st_n, w_st_k, b_st,
+                    o_st_m, NUM_M, NUM_N, TMA: tl.constexpr, PERSISTENT: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+    # PERSISTENT: one program per SM walks the tiles (stride = grid size); else one per tile
+    if PERSISTENT:
+        for tile in tl.range(tl.program_id(0), NUM_M * NUM_N, tl.num_programs(0), flatten=True):
+            _kv_proj_tile(tile, x_ptr, w_ptr, b_ptr, out_ptr, T, N, H, x_st_m, x_st_k, w_st_n,
+                          w_st_k, b_st, o_st_m, NUM_M, NUM_N, TMA, HAS_BIAS, BLOCK_M, BLOCK_N,
+                          BLOCK_K, GROUP_M, EVEN_K)
+    else:
+        _kv_proj_tile(tl.program_id(0), x_ptr, w_ptr, b_ptr, out_ptr, T, N, H, x_st_m, x_st_k,
+                      w_st_n, w_st_k, b_st, o_st_m, NUM_M, NUM_N, TMA, HAS_BIAS, BLOCK_M,
+                      BLOCK_N, BLOCK_K, GROUP_M, EVEN_K)
 
 
 @triton.jit
@@ -128,19 +171,25 @@ def _partner(y, BLOCK_M: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
 
 
 @triton.jit
-def _context_kv_kernel(x_ptr, w_ptr, b_ptr, kw_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr,
-                       tab_ptr, T, N, H, HKV, n_layers, x_st_m, x_st_k, w_st_n, w_st_k, b_st,
-                       kw_st_l, kw_st_d, pos_st, P, cs_st0, cs_st1, slot_st, NSLOTS, BS, eps,
-                       NUM_M, NUM_N,
-                       D: tl.constexpr, R: tl.constexpr, IS_NEOX: tl.constexpr,
-                       GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                       ALIGN: tl.constexpr):
-    pid_m, pid_n = _tile_ids(NUM_M, NUM_N, GROUP_M)
+def _context_tile(tile, x_ptr, w_ptr, g_ptr, b_ptr, kw_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr,
+                  vc_ptr, tab_ptr, T, N, H, HKV, n_layers, x_st_m, x_st_k, w_st_n, w_st_k, g_st,
+                  b_st, kw_st_l, kw_st_d, pos_st, P, cs_st0, cs_st1, slot_st, NSLOTS, BS, eps,
+                  NUM_M, NUM_N, TMA: tl.constexpr, HAS_NORM: tl.constexpr,
+                  FROM_KV: tl.constexpr, D: tl.constexpr, R: tl.constexpr, IS_NEOX: tl.constexpr,
+                  GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                  ALIGN: tl.constexpr):
+    pid_m, pid_n = _tile_ids(tile, NUM_M, NUM_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * D + tl.arange(0, D)
-    acc = _gemm_tile(x_ptr, w_ptr, b_ptr, rows, cols, T, N, H, x_st_m, x_st_k, w_st_n, w_st_k,
-                     b_st, HAS_BIAS, BLOCK_M, D, BLOCK_K, EVEN_K)
+    if FROM_KV:  # the epilogue alone: x_ptr is a precomputed kv[T, N] (already rounded)
+        m = (rows < T)[:, None] & (cols < N)[None, :]
+        acc = tl.load(x_ptr + rows.to(tl.int64)[:, None] * x_st_m + cols[None, :], mask=m,
+                      other=0.0).to(tl.float32)
+    else:
+        acc = _gemm_tile(x_ptr, w_ptr, g_ptr, b_ptr, rows, cols, pid_m * BLOCK_M, pid_n * D, T,
+                         N, H, x_st_m, x_st_k, w_st_n, w_st_k, g_st, b_st, eps, TMA, HAS_NORM,
+                         HAS_BIAS, BLOCK_M, D, BLOCK_K, EVEN_K)
     dtype = kc_ptr.dtype.element_ty
     y = acc.to(dtype).to(tl.float32)  # the rounding of kv_proj_ref
 
@@ -189,43 +238,147 @@ def _context_kv_kernel(x_ptr, w_ptr, b_ptr, kw_ptr, pos_ptr, cs_ptr, slot_ptr, k
         tl.store(kc_ptr + dst, out.to(dtype), mask=mask)
 
 
+@triton.jit
+def _context_kv_kernel(x_ptr, w_ptr, g_ptr, b_ptr, kw_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr,
+                       vc_ptr, tab_ptr, T, N, H, HKV, n_layers, x_st_m, x_st_k, w_st_n, w_st_k,
+                       g_st, b_st, kw_st_l, kw_st_d, pos_st, P, cs_st0, cs_st1, slot_st, NSLOTS,
+                       BS, eps, NUM_M, NUM_N, TMA: tl.constexpr, HAS_NORM: tl.constexpr,
+                       FROM_KV: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+                       IS_NEOX: tl.constexpr, GATHER: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                       EVEN_K: tl.constexpr, ALIGN: tl.constexpr):
+    _context_tile(tl.program_id(0), x_ptr, w_ptr, g_ptr, b_ptr, kw_ptr, pos_ptr, cs_ptr,
+                  slot_ptr, kc_ptr, vc_ptr, tab_ptr, T, N, H, HKV, n_layers, x_st_m, x_st_k,
+                  w_st_n, w_st_k, g_st, b_st, kw_st_l, kw_st_d, pos_st, P, cs_st0, cs_st1,
+                  slot_st, NSLOTS, BS, eps, NUM_M, NUM_N, TMA, HAS_NORM, FROM_KV, D, R, IS_NEOX,
+                  GATHER, HAS_BIAS, BLOCK_M, BLOCK_K, GROUP_M, EVEN_K, ALIGN)
+
+
 # ------------------------------------------------------------------------------------ configs
-def proj_config(t: int, n: int, h: int, elem_size: int = 2):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) for out[t, n] = x[t, h] w^T.
+class ProjCfg(NamedTuple):
+    """A kv_proj launch: tile sizes, GROUP_M (grouped tile order), warps, pipeline stages,
+    whether x and w are read through TMA tensor descriptors."""
+    bm: int
+    bn: int
+    bk: int
+    gm: int
+    warps: int
+    stages: int
+    tma: bool = True
+    persistent: bool = False
 
-    BLOCK_M grows with T (16/32/64/128); skinny T (<= 64) takes the widest N tile (128/64/32)
-    that still gives >= 2 programs per SM, since the GEMM is then a stream over w."""
-    block_m = 16 if t <= 16 else 32 if t <= 32 else 64 if t <= 64 else 128
-    tiles_m = triton.cdiv(t, block_m)
-    if t <= 64:
-        block_n = 32
-        for cand in (128, 64):
-            if tiles_m * triton.cdiv(n, cand) >= 2 * _NUM_SMS:
-                block_n = cand
-                break
-        block_k, warps, stages = 128, 4, 4
+
+class CtxCfg(NamedTuple):
+    """A context_kv_ launch. split=False: one fused kernel (GEMM tile BLOCK_M x D, BLOCK_K,
+    stages; fold: hidden_norm folded into the GEMM, else a first rms_norm pass writes the normed
+    x). split=True: kv_proj's GEMM (its own config) writes kv[T, N], then the same kernel's
+    epilogue alone (bm rows x one head a program, warps) does norm + RoPE + the cache writes."""
+    bm: int
+    bk: int
+    gm: int
+    warps: int
+    stages: int
+    tma: bool = True
+    fold: bool = False
+    split: bool = False
+
+
+# Measured on the H200 (benchmarks/NOTES.md, sweep_context.py, 2026-11-29), Qwen3-8B K/V GEMM
+# x[T, 4096] @ w[10240, 4096]^T, bf16: skinny T is a stream over w (84 MB, floor ~19.7 us):
+# BLOCK_N 64 with BLOCK_K 128 23.0 us at T <= 16 (cuBLAS 23.1); T = 64: 64x128 tiles 26.1 us
+# (cuBLAS 23.4). T = 256: 64x128, 3 stages, 4 warps 39.9 us (cuBLAS 33.1). Larger T is
+# compute-bound: persistent 128x128 (4 stages) 123 us at T = 1024 (cuBLAS 123), persistent
+# 128x256 436 us at T = 4096 (cuBLAS 454) and 2099 us at 16384 (cuBLAS 1913).
+def proj_config(t: int, n: int, h: int, elem_size: int = 2) -> ProjCfg:
+    """The kv_proj launch for out[t, n] = x[t, h] w^T (see the measurements above)."""
+    if elem_size >= 4:  # fp32 (tests, references): small tiles, pointer loads, no TF32
+        return ProjCfg(16 if t <= 16 else 64, 64, 32, 8, 4, 2, False)
+    if t <= 16:
+        cfg = ProjCfg(16, 64, 128, 8, 4, 4)
+    elif t <= 64:
+        cfg = ProjCfg(32 if t <= 32 else 64, 128, 128, 8, 4, 3)
+    elif t <= 256:
+        cfg = ProjCfg(64, 128, 64, 8, 4, 3)
+    elif t <= 2048:
+        cfg = ProjCfg(128, 128, 64, 8, 8, 4, True, True)
     else:
-        block_n, block_k, warps, stages = 128, 64, 8, 3
-    if elem_size >= 4:  # fp32: keep the shared-memory ring small
-        block_k, stages = 32, 2
-    return block_m, block_n, block_k, 8, warps, _stages(stages, block_m, block_n, block_k,
-                                                        elem_size)
+        cfg = ProjCfg(128, 256, 64, 8, 8, 3, True, True)
+    return cfg._replace(stages=_stages(cfg.stages, cfg.bm, cfg.bn, cfg.bk, elem_size))
 
 
-def context_config(t: int, d: int, elem_size: int = 2):
-    """(BLOCK_M, BLOCK_K, GROUP_M, num_warps, num_stages) for the fused kernel (BLOCK_N = D)."""
-    block_m = 16 if t <= 16 else 32 if t <= 32 else 64 if t <= 64 else 128
-    block_m = min(block_m, 64 if d >= 256 else 128)  # the epilogue holds a few [BM, D] fp32 tiles
-    block_k = 128 if t <= 64 and d <= 64 else 64
-    warps = 4 if block_m * d <= 64 * 64 else 8
-    stages = 4 if t <= 64 else 3
+# The fused kernel (BLOCK_N = D = one head) wins while the GEMM streams w (T <= 64): Qwen3-8B
+# 23.9 us at T = 1 (bm 16, bk 128, 4 stages; F.linear 23.5), 24.8 at T = 16, 28.2 at T = 64.
+# From T = 256 on its 128 x D tiles lose to kv_proj's (55 vs 40 us at T = 256, 2528 vs 2099 at
+# 16384), so the split path runs kv_proj then the epilogue alone. hidden_norm folded into the
+# GEMM measured slower than a first rms_norm pass at every T (28.0 vs 26.2 us at T = 1, 2x at
+# T >= 64: the scaled x tile goes through registers), so fold is off by default.
+SPLIT_T = 64
+
+
+def context_config(t: int, d: int, elem_size: int = 2) -> CtxCfg:
+    """The context_kv_ launch (see the measurements above)."""
+    if t > SPLIT_T:
+        return CtxCfg(max(8, 4096 // d), 64, 8, 4, 1, split=True)
+    block_m = 16 if t <= 16 else 32 if t <= 32 else 64
+    block_m = min(block_m, 32 if d >= 256 else 64)  # the epilogue holds a few [BM, D] fp32 tiles
     if elem_size >= 4:
-        block_k, stages = 32, 2
-    return block_m, block_k, 8, warps, _stages(stages, block_m, d, block_k, elem_size)
+        return CtxCfg(block_m, 32, 8, 4, 2, False)
+    return CtxCfg(block_m, 128, 8, 4, _stages(4, block_m, d, 128, elem_size), t <= 16)
 
 
-# ------------------------------------------------------------------------------------ ops
-def kv_proj(x, w_kv, bias=None):
+# ------------------------------------------------------------------------------------ launches
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def tma_ok(*ts: torch.Tensor) -> bool:
+    """Whether 2-D tensors can be read through TMA descriptors: 16-bit dtype, unit stride in
+    the last dim, 16-byte aligned base and row stride, and a Hopper+ GPU (or the interpreter)."""
+    for x in ts:
+        es = x.element_size()
+        if (es != 2 or x.stride(1) != 1 or (x.stride(0) * es) % 16 or x.data_ptr() % 16
+                or x.shape[0] == 0):
+            return False
+    if ts[0].is_cuda:
+        return torch.cuda.get_device_capability(ts[0].device)[0] >= 9 and not _interpreting()
+    return _interpreting()
+
+
+def _grid(tiles: int, persistent: bool, device: torch.device) -> int:
+    """One program per tile, or (persistent) at most one per SM walking the tiles."""
+    if not persistent:
+        return tiles
+    sms = 3 if device.type != "cuda" else _sm_count(device.index or 0)  # interpreter: a few
+    return max(1, min(tiles, sms))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _operands(x, w, bm, bn, bk, tma):
+    if tma:
+        return (TensorDescriptor(x, list(x.shape), list(x.stride()), [bm, bk]),
+                TensorDescriptor(w, list(w.shape), list(w.stride()), [bn, bk]))
+    return x, w
+
+
+def launch_proj(x, w_kv, bias, out, cfg: ProjCfg) -> None:
+    t, h = x.shape
+    n = w_kv.shape[0]
+    tma = cfg.tma and tma_ok(x, w_kv)
+    num_m, num_n = triton.cdiv(t, cfg.bm), triton.cdiv(n, cfg.bn)
+    xo, wo = _operands(x, w_kv, cfg.bm, cfg.bn, cfg.bk, tma)
+    b = bias if bias is not None else out
+    _kv_proj_kernel[(_grid(num_m * num_n, cfg.persistent, x.device),)](
+        xo, wo, b, out, t, n, h, x.stride(0), x.stride(1), w_kv.stride(0), w_kv.stride(1),
+        bias.stride(0) if bias is not None else 0, out.stride(0), num_m, num_n, TMA=tma,
+        PERSISTENT=cfg.persistent, HAS_BIAS=bias is not None, BLOCK_M=cfg.bm, BLOCK_N=cfg.bn, BLOCK_K=cfg.bk,
+        GROUP_M=cfg.gm, EVEN_K=h % cfg.bk == 0, num_warps=cfg.warps, num_stages=cfg.stages)
+
+
+def kv_proj(x, w_kv, bias=None, *, cfg: Optional[ProjCfg] = None):
     t, h = x.shape
     n = w_kv.shape[0]
     out = torch.empty((t, n), dtype=x.dtype, device=x.device)
@@ -233,19 +386,13 @@ def kv_proj(x, w_kv, bias=None):
         return out
     if h == 0:
         return out.copy_(bias.expand(t, n)) if bias is not None else out.zero_()
-    bm, bn, bk, gm, warps, stages = proj_config(t, n, h, x.element_size())
-    num_m, num_n = triton.cdiv(t, bm), triton.cdiv(n, bn)
-    b = bias if bias is not None else w_kv
-    _kv_proj_kernel[(num_m * num_n,)](
-        x, w_kv, b, out, t, n, h, x.stride(0), x.stride(1), w_kv.stride(0), w_kv.stride(1),
-        bias.stride(0) if bias is not None else 0, out.stride(0), num_m, num_n,
-        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
-        EVEN_K=h % bk == 0, num_warps=warps, num_stages=stages)
+    launch_proj(x, w_kv, bias, out, cfg or proj_config(t, n, h, x.element_size()))
     return out
 
 
 def context_kv_(x, w_kv, bias, k_weight, positions, cos_sin_cache, slot_mapping, k_caches,
-                v_caches, eps, is_neox, hidden_norm_weight=None) -> None:
+                v_caches, eps, is_neox, hidden_norm_weight=None, *,
+                cfg: Optional[CtxCfg] = None) -> None:
     t, h = x.shape
     n_layers, (num_blocks, block_size, hkv, d) = len(k_caches), k_caches[0].shape
     if t == 0:
@@ -255,28 +402,32 @@ def context_kv_(x, w_kv, bias, k_weight, positions, cos_sin_cache, slot_mapping,
         table, align = _kv._layer_table(k_caches, v_caches)
     except (RuntimeError, ValueError) as e:  # the shared helper names store_kv_
         raise type(e)(str(e).replace("store_kv_", "context_kv_")) from None
-    if hidden_norm_weight is not None:  # TODO: fold into the GEMM (see the module docstring)
-        x = _rms_norm(x, hidden_norm_weight, eps)
+    cfg = cfg or context_config(t, d, x.element_size())
+    g = hidden_norm_weight
+    if g is not None and (not cfg.fold or cfg.split or h == 0):
+        x, g = _rms_norm(x, g, eps), None
+    if cfg.split:  # the GEMM, then the epilogue alone over its output
+        kv = kv_proj(x, w_kv, bias)
+        src, tma, bias = kv, False, None
+    else:
+        src, tma = x, cfg.tma and h > 0 and tma_ok(x, w_kv)
     r = cos_sin_cache.shape[1]
-    bm, bk, gm, warps, stages = context_config(t, d, x.element_size())
-    num_m, num_n = triton.cdiv(t, bm), n_layers * 2 * hkv
-    b = bias if bias is not None else w_kv
+    num_m, num_n = triton.cdiv(t, cfg.bm), n_layers * 2 * hkv
+    xo, wo = (src, w_kv) if cfg.split else _operands(x, w_kv, cfg.bm, d, cfg.bk, tma)
+    b = bias if bias is not None else k_weight
     _context_kv_kernel[(num_m * num_n,)](
-        x, w_kv, b, k_weight, positions, cos_sin_cache, slot_mapping, k_caches[0], v_caches[0],
-        table, t, w_kv.shape[0], h, hkv, n_layers, x.stride(0), x.stride(1), w_kv.stride(0),
-        w_kv.stride(1), bias.stride(0) if bias is not None else 0,
+        xo, wo, g if g is not None else k_weight, b, k_weight, positions, cos_sin_cache,
+        slot_mapping, k_caches[0], v_caches[0], table, t, w_kv.shape[0], h, hkv, n_layers,
+        src.stride(0), src.stride(1), w_kv.stride(0), w_kv.stride(1),
+        g.stride(0) if g is not None else 0, bias.stride(0) if bias is not None else 0,
         k_weight.stride(0), k_weight.stride(1), positions.stride(0), cos_sin_cache.shape[0],
         cos_sin_cache.stride(0), cos_sin_cache.stride(1), slot_mapping.stride(0),
-        num_blocks * block_size, block_size, eps, num_m, num_n,
-        D=d, R=r, IS_NEOX=bool(is_neox), GATHER=bool(is_neox) and (r & (r - 1)) != 0,
-        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_K=bk, GROUP_M=gm,
-        EVEN_K=h > 0 and h % bk == 0, ALIGN=align, num_warps=warps, num_stages=stages)
+        num_blocks * block_size, block_size, eps, num_m, num_n, TMA=tma, HAS_NORM=g is not None,
+        FROM_KV=cfg.split, D=d, R=r, IS_NEOX=bool(is_neox),
+        GATHER=bool(is_neox) and (r & (r - 1)) != 0, HAS_BIAS=bias is not None, BLOCK_M=cfg.bm,
+        BLOCK_K=cfg.bk, GROUP_M=cfg.gm, EVEN_K=h > 0 and h % cfg.bk == 0, ALIGN=align,
+        num_warps=cfg.warps, num_stages=cfg.stages)
 
 
-# Not yet run on a GPU: registered only on request (DFLASH_OPS_EXPERIMENTAL=1), so that default
-# users, `dflash-ops check` included, never reach an unverified kernel. Remove the gate once
-# tests/test_context_kv_gpu.py passes on the H200 and the benchmark has set the dispatch tables.
-EXPERIMENTAL = os.environ.get("DFLASH_OPS_EXPERIMENTAL", "0") == "1"
-if EXPERIMENTAL:
-    dispatch.register_backend("kv_proj", "triton", kv_proj)
-    dispatch.register_backend("context_kv_", "triton", context_kv_)
+dispatch.register_backend("kv_proj", "triton", kv_proj)
+dispatch.register_backend("context_kv_", "triton", context_kv_)
