@@ -9,6 +9,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
+
 namespace dflash_ops {
 
 // rms_norm(Tensor x, Tensor weight, float eps) -> Tensor
@@ -58,5 +60,35 @@ void knorm_rope_(at::Tensor& k, const at::Tensor& k_weight, const at::Tensor& po
 //   One launch for all layers; L <= 64.
 void store_kv_(const at::Tensor& k, const at::Tensor& v, at::TensorList k_caches,
                at::TensorList v_caches, const at::Tensor& slot_mapping);
+
+// kv_proj(Tensor x, Tensor w_kv, Tensor? bias=None) -> Tensor
+//   x: [T, H] bf16/fp16/fp32; w_kv: [N, H] (layer-major L*2*Hkv*D rows for the context path);
+//   bias: [N]; all of x's dtype, any strides. Returns x @ w_kv^T (+ bias) as a new contiguous
+//   [T, N] tensor in x's dtype, through cuBLAS (at::mm / at::addmm: fp32 accumulation, one
+//   rounding). T, N or H may be 0 (H = 0: the bias broadcast, or zeros).
+at::Tensor kv_proj(const at::Tensor& x, const at::Tensor& w_kv,
+                   const std::optional<at::Tensor>& bias);
+
+// context_kv_(Tensor x, Tensor w_kv, Tensor? bias, Tensor k_weight, Tensor positions,
+//             Tensor cos_sin_cache, Tensor slot_mapping, Tensor(a!)[] k_caches,
+//             Tensor(b!)[] v_caches, float eps, bool is_neox,
+//             Tensor? hidden_norm_weight=None) -> ()
+//   The whole context K/V path of L layers: x = rms_norm(x, hidden_norm_weight, eps) when given
+//   ([H]); kv = kv_proj(x, w_kv, bias) viewed as [T, L, 2, Hkv, D]; then one launch writes, for
+//   every token and layer, K = rope(rms_norm(kv[t, l, 0], k_weight[l], eps)) (knorm_rope_'s
+//   numerics) and V = kv[t, l, 1] to block slot / block_size, row slot % block_size of
+//   k_caches[l] / v_caches[l]; a slot < 0 or >= num_blocks * block_size is skipped, a position
+//   outside [0, P) leaves K normalised but unrotated.
+//   x: [T, H] bf16/fp16/fp32; w_kv: [L*2*Hkv*D, H]; k_weight: [L, D]; positions, slot_mapping:
+//   [T] int64; cos_sin_cache: [P, R] fp32, R even, R <= D; k_caches, v_caches: L tensors
+//   [num_blocks, block_size, Hkv, D] each, any strides with unit stride in D, x's dtype;
+//   D in {16, 32, 64, 128, 256}; L <= 64. Allocates the GEMM output (and the normed x) from the
+//   caching allocator.
+void context_kv_(const at::Tensor& x, const at::Tensor& w_kv,
+                 const std::optional<at::Tensor>& bias, const at::Tensor& k_weight,
+                 const at::Tensor& positions, const at::Tensor& cos_sin_cache,
+                 const at::Tensor& slot_mapping, at::TensorList k_caches,
+                 at::TensorList v_caches, double eps, bool is_neox,
+                 const std::optional<at::Tensor>& hidden_norm_weight);
 
 }  // namespace dflash_ops

@@ -18,6 +18,8 @@ TORCH_LIBRARY_IMPL(dflash, CUDA, m) {
   m.impl("qk_norm_rope_", TORCH_FN(dflash_ops::qk_norm_rope_));
   m.impl("knorm_rope_", TORCH_FN(dflash_ops::knorm_rope_));
   m.impl("store_kv_", TORCH_FN(dflash_ops::store_kv_));
+  m.impl("kv_proj", TORCH_FN(dflash_ops::kv_proj));
+  m.impl("context_kv_", TORCH_FN(dflash_ops::context_kv_));
 }
 
 #ifdef DFLASH_OPS_PYTHON_MODULE

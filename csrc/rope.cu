@@ -4,20 +4,12 @@
 //   qk_norm_rope_  q[T, Hq, D], k[T, Hkv, D]          per-head RMSNorm, then rotation; one launch
 //   knorm_rope_    k[T, L, Hkv, D], k_weight[L, D]    layer l's K-norm, then rotation; one launch
 //
-// Numerics, as the reference rounds (T() rounds to x's dtype; rope_ has y = x):
-//   n = T(float(x) * rstd), rstd = rsqrt(mean(float(x)^2) + eps);   y = T(float(n) * float(w))
-//   NeoX pairs (y[i], y[i + R/2]), GPT-J pairs (y[2i], y[2i + 1]), i < R/2, c/s = cos/sin row i:
-//   (y1 c - y2 s, y2 c + y1 s) in fp32, each product and sum rounded on its own (no FMA
-//   contraction: PyTorch computes them as separate ops), rounded once to the dtype.
-//   A position outside [0, P) leaves the token unrotated (the norm ops still normalise it).
+// Numerics (HF rounding: T(T(x * rstd) * w), then the rotation in fp32 rounded once) and the
+// row layout (units of 2V elements, both elements of every rotation pair in one lane) are those
+// of rope_common.cuh, whose head-row code this file shares with context.cu's epilogue. rope_
+// has y = x and moves only the units with something to rotate.
 //
-// Layout. One group of tpr lanes per head row (x, q, k: any strides, unit stride in D). A row is
-// cut into units of 2V elements (V = one vector) that hold V rotation pairs at angle indices
-// [uV, uV + V) and are loaded as two vectors a, b:
-//   NeoX,  uV <  R/2:  a = x[uV ..],        b = x[R/2 + uV ..]       (matching chunks of the halves)
-//   NeoX,  uV >= R/2:  a = x[R + q ..],     b = x[R + (D-R)/2 + q ..], q = uV - R/2 (tail, unrotated)
-//   GPT-J:             a = x[2uV ..],       b = x[2uV + V ..]         (pairs adjacent in a vector)
-// so both elements of every pair live in one lane: the only shuffles are the norm's sum.
+// Lanes. One group of tpr lanes per head row (x, q, k: any strides, unit stride in D):
 //   vector path: 16-byte vectors; two units a lane for bf16/fp16 (D = 128: 4 lanes x 4 x 16
 //   bytes; one with DFLASH_OPS_ROPE_LANE_UNITS=1), one for fp32.
 //   scalar path: V = 1, four units a lane, for what the vector path cannot take (a view not on
@@ -29,6 +21,7 @@
 #include "dflash_ops.h"
 
 #include "common.cuh"
+#include "rope_common.cuh"
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -49,7 +42,7 @@
 namespace dflash_ops {
 namespace {
 
-using namespace detail;  // common.cuh
+using namespace detail;  // common.cuh, rope_common.cuh
 
 // ---------------------------------------------------------------------------------------------
 // Device side: no framework types.
@@ -67,47 +60,15 @@ struct HeadSet {
 
 struct RopeParams {
   HeadSet set[2];      // qk_norm_rope_: q (heads [0, heads0)), k; otherwise set[0] alone
+  RotaryRow rope;      // cos/sin table and row geometry (rope_common.cuh)
   const int64_t* pos;  // positions[T], element stride pos_stride
   int64_t pos_stride;
-  const float* cs;     // cos_sin_cache[P, R], element strides cs_row, cs_col
-  int64_t cs_row, cs_col;
-  int64_t n_pos;       // P
   uint32_t rows;       // T * heads < 2^31
   uint32_t heads0;     // heads of set[0] per token
   FastDiv div_heads;   // heads per token, both sets
-  int half;            // R / 2
-  int rot_dim;         // R
-  int tail_half;       // (D - R) / 2
-  int units;           // units per row, D / (2 V)
-  float inv_d;         // 1 / D
-  float eps;
-  bool cs_vec4;        // cos/sin rows readable as float4 (unit column stride, 16-byte aligned)
 };
 
 constexpr int kBlock = 256;
-
-// A unit's 2V elements: vector a, then vector b.
-template <class Bits, int V>
-struct Unit {
-  Pack<Bits, V> a, b;
-  __device__ __forceinline__ Bits& operator[](int i) { return i < V ? a.e[i] : b.e[i - V]; }
-};
-
-template <class Bits, int V>
-__device__ __forceinline__ Pack<Bits, V> load_vec(const Bits* p) {
-  Pack<Bits, V> v;
-  v.raw = *reinterpret_cast<const typename Pack<Bits, V>::Raw*>(p);
-  return v;
-}
-
-// Weights: read-only for the kernel. The scalar path takes any element stride (the caller
-// scales the offset); the vector path has unit stride.
-template <class Bits, int V>
-__device__ __forceinline__ Pack<Bits, V> load_weight(const Bits* p) {
-  Pack<Bits, V> v;
-  v.raw = __ldg(reinterpret_cast<const typename Pack<Bits, V>::Raw*>(p));
-  return v;
-}
 
 // One lane group of tpr = 2^tpr_log2 lanes per head row, NU units a lane, V elements a vector;
 // see the file comment. rows < 2^31. Registers (sm_90a, no spills): one unit a lane fits 48
@@ -117,7 +78,6 @@ template <class E, int V, int NU, bool NEOX, bool NORM>
 __global__ void __launch_bounds__(kBlock, (NU == 1 && V > 1) ? 5 : 1)
     rope_kernel(const RopeParams p, const int tpr_log2) {
   using Bits = typename E::Bits;
-  using P = Pack<Bits, V>;
   const int tpr = 1 << tpr_log2;
   const int lane = threadIdx.x & (tpr - 1);
   const uint32_t row = blockIdx.x * (kBlock >> tpr_log2) + (threadIdx.x >> tpr_log2);
@@ -143,125 +103,22 @@ __global__ void __launch_bounds__(kBlock, (NU == 1 && V > 1) ? 5 : 1)
                         int64_t(o) * (second ? p.set[1].w_row : p.set[0].w_row);
   const int64_t w_col = V == 1 ? (second ? p.set[1].w_col : p.set[0].w_col) : 1;
 
-  // This lane's units: element offsets of a and b in the row, first angle index.
-  int off_a[NU], off_b[NU], ang0[NU];
-  bool act[NU];
-#pragma unroll
-  for (int j = 0; j < NU; ++j) {
-    const int u = j * tpr + lane;
-    ang0[j] = u * V;
-    // rope_ leaves the unrotated tail alone (NeoX tail units; GPT-J units past R/2).
-    act[j] = valid && u < p.units && (NORM || ang0[j] < p.half);
-    if (NEOX) {
-      off_a[j] = ang0[j] < p.half ? ang0[j] : p.rot_dim + (ang0[j] - p.half);
-      off_b[j] = off_a[j] + (ang0[j] < p.half ? p.half : p.tail_half);
-    } else {
-      off_a[j] = 2 * ang0[j];
-      off_b[j] = 2 * ang0[j] + V;
-    }
-  }
+  // rope_ leaves the unrotated tail alone (NeoX tail units; GPT-J units past R/2).
+  const LaneUnits<V, NU, NEOX> lu(p.rope, lane, tpr, valid, /*whole_row=*/NORM);
 
   // The row first (the long wait), then the position and the weights.
   Unit<Bits, V> cur[NU];
-#pragma unroll
-  for (int j = 0; j < NU; ++j) {
-    if (act[j]) {
-      cur[j].a = load_vec<Bits, V>(x + off_a[j]);
-      cur[j].b = load_vec<Bits, V>(x + off_b[j]);
-    } else {
-      cur[j].a.raw = typename P::Raw{};
-      cur[j].b.raw = typename P::Raw{};
-    }
-  }
+  load_units(x, lu, cur);
   int64_t pos = -1;
   if (valid) pos = __ldg(p.pos + int64_t(t) * p.pos_stride);
-  const bool rot = pos >= 0 && pos < p.n_pos;
+  const bool rot = pos >= 0 && pos < p.rope.n_pos;
   if (!NORM && !rot) return;  // rope_: the token stays as it is
 
   if (NORM) {  // cur <- y = T(T(x * rstd) * w)
-    float ss = 0.f;
-#pragma unroll
-    for (int j = 0; j < NU; ++j) {
-#pragma unroll
-      for (int k = 0; k < 2 * V; ++k) {
-        const float f = E::to_float(cur[j][k]);
-        ss = fmaf(f, f, ss);
-      }
-    }
-#pragma unroll
-    for (int m = 16; m >= 1; m >>= 1)
-      if (m < tpr) ss += __shfl_xor_sync(0xffffffffu, ss, m);  // xor < tpr stays in the group
-    const float rstd = rsqrtf(ss * p.inv_d + p.eps);
-    // The weights (L1-resident) only now: fewer registers live across the sum.
-#pragma unroll
-    for (int j = 0; j < NU; ++j) {
-      if (!act[j]) continue;
-      Unit<Bits, V> wt;
-      wt.a = load_weight<Bits, V>(w + off_a[j] * w_col);
-      wt.b = load_weight<Bits, V>(w + off_b[j] * w_col);
-#pragma unroll
-      for (int k = 0; k < 2 * V; ++k) {
-        const float n = E::to_float(E::from_float(E::to_float(cur[j][k]) * rstd));
-        cur[j][k] = E::from_float(n * E::to_float(wt[k]));
-      }
-    }
+    norm_units<E>(p.rope, lu, w, w_col, tpr, cur);
     if (!valid) return;  // (after the last shuffle)
   }
-
-  // Rotate with this lane's cos/sin (read after the norm: fewer registers live at once);
-  // angles >= R/2 are never rotated, so never read.
-  const float* cs = p.cs + (rot ? pos : 0) * p.cs_row;
-#pragma unroll
-  for (int j = 0; j < NU; ++j) {
-    if (!act[j]) continue;
-    float cv[V], sv[V];
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-      cv[k] = 1.f;
-      sv[k] = 0.f;
-    }
-    if (rot) {
-      bool done = false;
-      if constexpr (V % 4 == 0) {
-        if (p.cs_vec4) {
-#pragma unroll
-          for (int q = 0; q < V; q += 4) {
-            if (ang0[j] + q < p.half) {  // R/2 % 4 == 0 here: 4 angles all in or all out
-              const float4 c4 = __ldg(reinterpret_cast<const float4*>(cs + ang0[j] + q));
-              const float4 s4 = __ldg(reinterpret_cast<const float4*>(cs + p.half + ang0[j] + q));
-              cv[q] = c4.x, cv[q + 1] = c4.y, cv[q + 2] = c4.z, cv[q + 3] = c4.w;
-              sv[q] = s4.x, sv[q + 1] = s4.y, sv[q + 2] = s4.z, sv[q + 3] = s4.w;
-            }
-          }
-          done = true;
-        }
-      }
-      if (!done) {
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-          if (ang0[j] + k < p.half) {
-            cv[k] = __ldg(cs + int64_t(ang0[j] + k) * p.cs_col);
-            sv[k] = __ldg(cs + int64_t(p.half + ang0[j] + k) * p.cs_col);
-          }
-        }
-      }
-    }
-    Unit<Bits, V> out;
-#pragma unroll
-    for (int k = 0; k < V; ++k) {  // pair k: elements i1, i2 of the unit, angle ang0 + k
-      const int i1 = NEOX ? k : 2 * k, i2 = NEOX ? V + k : 2 * k + 1;
-      if (rot && ang0[j] + k < p.half) {
-        const float f1 = E::to_float(cur[j][i1]), f2 = E::to_float(cur[j][i2]);
-        out[i1] = E::from_float(__fsub_rn(__fmul_rn(f1, cv[k]), __fmul_rn(f2, sv[k])));
-        out[i2] = E::from_float(__fadd_rn(__fmul_rn(f2, cv[k]), __fmul_rn(f1, sv[k])));
-      } else {
-        out[i1] = cur[j][i1];
-        out[i2] = cur[j][i2];
-      }
-    }
-    *reinterpret_cast<typename P::Raw*>(x + off_a[j]) = out.a.raw;
-    *reinterpret_cast<typename P::Raw*>(x + off_b[j]) = out.b.raw;
-  }
+  rotate_store_units<E>(p.rope, lu, pos, rot, cur, x);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -414,27 +271,17 @@ void run(const char* op, const char* what, const SetArg (&sets)[2], const at::Te
          const at::Tensor& cos_sin_cache, double eps, bool is_neox, bool norm) {
   const at::Tensor& x0 = *sets[0].x;
   const int64_t t = x0.size(0), d = x0.size(-1);
-  const int64_t r = cos_sin_cache.size(1);
   const int64_t es = x0.element_size();
   const int64_t vmax = 16 / es;
 
   RopeParams p{};
-  p.half = static_cast<int>(r / 2);
-  p.rot_dim = static_cast<int>(r);
-  p.tail_half = static_cast<int>((d - r) / 2);
-  p.inv_d = static_cast<float>(1.0 / static_cast<double>(d));
-  p.eps = static_cast<float>(eps);
+  p.rope = make_rotary_row(cos_sin_cache, d, eps);
   p.pos = positions.data_ptr<int64_t>();
   p.pos_stride = positions.stride(0);
-  p.cs = cos_sin_cache.data_ptr<float>();
-  p.n_pos = cos_sin_cache.size(0);
-  p.cs_row = p.n_pos > 1 ? cos_sin_cache.stride(0) : 0;
-  p.cs_col = cos_sin_cache.stride(1);
-  p.cs_vec4 = p.cs_col == 1 && aligned16(p.cs) && p.cs_row % 4 == 0 && p.half % 4 == 0;
 
   // The vector path needs every row and weight row on 16-byte boundaries and, for NeoX, both
   // the halves and the tail halves in whole vectors.
-  bool vec = !is_neox || (p.half % vmax == 0 && p.tail_half % vmax == 0);
+  bool vec = !is_neox || (p.rope.half % vmax == 0 && p.rope.tail_half % vmax == 0);
   int64_t heads = 0;  // per token, both sets
   for (int s = 0; s < 2; ++s) {
     HeadSet& h = p.set[s];
@@ -471,10 +318,10 @@ void run(const char* op, const char* what, const SetArg (&sets)[2], const at::Te
   // Lanes per row: the units of a row (D / (2V) <= 32 with vectors, <= 128 scalar) over
   // lanes with nu units each, at most 32 lanes.
   const int v = vec ? static_cast<int>(vmax) : 1;
-  p.units = static_cast<int>(d / (2 * v));
-  const int nu = !vec ? 4 : es == 4 ? 1 : std::min(vector_lane_units(), p.units);
+  p.rope.units = static_cast<int>(d / (2 * v));
+  const int nu = !vec ? 4 : es == 4 ? 1 : std::min(vector_lane_units(), p.rope.units);
   int tpr_log2 = 0;
-  while ((1 << tpr_log2) * nu < p.units && tpr_log2 < 5) ++tpr_log2;
+  while ((1 << tpr_log2) * nu < p.rope.units && tpr_log2 < 5) ++tpr_log2;
   const int64_t rows_per_block = kBlock >> tpr_log2;
   const unsigned blocks = static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block);
   const int dev = x0.get_device();

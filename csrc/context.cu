@@ -1,0 +1,462 @@
+// The context K/V path: kv_proj and context_kv_ (references: dflash_ops/ops/kv.py).
+//
+//   kv_proj      x[T, H] @ w_kv[N, H]^T (+ bias[N]) -> [T, N], through ATen (cuBLAS)
+//   context_kv_  (hidden RMSNorm of x) -> kv = kv_proj(x, w_kv, bias) [T, N = L*2*Hkv*D] ->
+//                one epilogue launch over kv viewed as [T, L, 2, Hkv, D]: every layer's K row
+//                normalised with k_weight[l] and rotated, written with its V row into layer l's
+//                paged caches at slot_mapping[t]
+//
+//   k_caches[l], v_caches[l]  [num_blocks, block_size, Hkv, D], one tensor per layer, each with
+//                its own strides (unit stride in D); token t goes to block slot / block_size,
+//                row slot % block_size; a slot < 0 or >= num_blocks * block_size is skipped
+//                (read on the device). Offsets into a cache are 64-bit bytes.
+//
+// Epilogue kernel. blockIdx.y = layer (block-uniform: the layer's cache views and k_weight row
+// come from the kernel parameters, a by-value struct of MAXL = 8 or 64 layers as in kv.cu);
+// blockIdx.x covers that layer's T * Hkv head rows, one group of tpr lanes per (token, head),
+// 256 / tpr rows a block; row -> (token, head) by multiply-shift division. The group holds the
+// K row and the V row of its head: the K row's units are rope_common.cuh's (the head-row code
+// of knorm_rope_: RMSNorm with HF rounding, then NeoX or GPT-J rotation of the first R dims in
+// fp32, one rounding; a position outside [0, P) leaves it normalised but unrotated); the V row
+// is moved with the same unit offsets (the units partition a row), unchanged.
+//   vector path: 16-byte vectors, one unit (two vectors) of K and one of V a lane: D = 128 bf16
+//   is 8 lanes a head, 64 bytes in flight a lane. scalar path (V = 1, four units a lane): a
+//   cache or k_weight not on 16-byte boundaries, a strided k_weight, or NeoX with R/2 or (D-R)/2
+//   not a multiple of the vector.
+// Every load of a row (K, V, position, slot) is issued before anything waits on one; a row
+// whose slot is skipped is still normalised (the norm's shuffles span the warp) but not stored.
+#include "dflash_ops.h"
+
+#include "common.cuh"
+#include "rope_common.cuh"
+
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/mm.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <optional>
+#include <sstream>
+#include <string>
+
+namespace dflash_ops {
+namespace {
+
+using namespace detail;  // common.cuh, rope_common.cuh
+
+// ---------------------------------------------------------------------------------------------
+// Device side: no framework types.
+
+// One layer's K or V cache: base pointer and byte strides of [num_blocks, block_size, Hkv].
+struct CacheView {
+  char* base;
+  int64_t s_block, s_row, s_head;
+};
+
+template <int MAXL>
+struct ContextParams {
+  CacheView dst[MAXL][2];  // [layer][K, V]
+  RotaryRow rope;          // cos/sin table and row geometry
+  const void* kv;          // kv[T, N], element strides: s_tok, s_layer (2 Hkv D), s_head (D);
+  int64_t s_tok, s_layer, s_head;
+  int64_t s_v;             // V row = K row + s_v (Hkv D)
+  const void* w;           // k_weight[L, D], element strides w_row, w_col
+  int64_t w_row, w_col;
+  const int64_t* pos;      // positions[T], element stride pos_stride
+  int64_t pos_stride;
+  const int64_t* slots;    // slot_mapping[T], element stride slot_stride
+  int64_t slot_stride;
+  int64_t n_slots;         // num_blocks * block_size
+  int64_t block_size;      // (the 64-bit path: n_slots >= 2^31)
+  FastDiv div_bs;          // block_size (n_slots < 2^31)
+  FastDiv div_hkv;         // Hkv
+  uint32_t rows;           // T * Hkv < 2^31: head rows a layer
+  bool slots32;            // n_slots < 2^31
+};
+
+constexpr int kBlock = 256;
+
+// One group of tpr = 2^tpr_log2 lanes per (token, head) of layer blockIdx.y, NU units a lane,
+// V elements a vector. Registers: see the report of PTXAS_VERBOSE=1 .ci/nvcc_check.sh; the
+// vector path is held to 48 (5 blocks an SM, 80 KB of K and V in flight), no spills.
+template <class E, int V, int NU, bool NEOX, int MAXL>
+__global__ void __launch_bounds__(kBlock, V > 1 ? 5 : 1)
+    context_kv_kernel(const __grid_constant__ ContextParams<MAXL> p, const int tpr_log2) {
+  using Bits = typename E::Bits;
+  const int layer = blockIdx.y;
+  const int tpr = 1 << tpr_log2;
+  const int lane = threadIdx.x & (tpr - 1);
+  const uint32_t row = blockIdx.x * (kBlock >> tpr_log2) + (threadIdx.x >> tpr_log2);
+  // Lanes of a row past the end stay for the norm's full-warp shuffles but touch no memory.
+  const bool valid = row < p.rows;
+  uint32_t t = 0, h = 0;
+  if (valid) {
+    t = p.div_hkv.div(row);
+    h = row - t * p.div_hkv.d;
+  }
+  const Bits* const k_src = static_cast<const Bits*>(p.kv) +
+                            (int64_t(t) * p.s_tok + int64_t(layer) * p.s_layer +
+                             int64_t(h) * p.s_head);
+  const Bits* const v_src = k_src + p.s_v;
+  const Bits* const w = static_cast<const Bits*>(p.w) + int64_t(layer) * p.w_row;
+  const int64_t w_col = V == 1 ? p.w_col : 1;
+
+  const LaneUnits<V, NU, NEOX> lu(p.rope, lane, tpr, valid, /*whole_row=*/true);
+  Unit<Bits, V> k[NU], v[NU];
+  load_units(k_src, lu, k);
+  load_units(v_src, lu, v);
+  int64_t pos = -1, slot = -1;
+  if (valid) {
+    pos = __ldg(p.pos + int64_t(t) * p.pos_stride);
+    slot = __ldg(p.slots + int64_t(t) * p.slot_stride);
+  }
+
+  norm_units<E>(p.rope, lu, w, w_col, tpr, k);  // k <- T(T(k * rstd) * w); every lane
+  if (!valid || slot < 0 || slot >= p.n_slots) return;  // padding, or past the cache
+
+  int64_t block, brow;
+  if (p.slots32) {
+    const uint32_t b = p.div_bs.div(static_cast<uint32_t>(slot));
+    block = b;
+    brow = static_cast<uint32_t>(slot) - b * p.div_bs.d;
+  } else {
+    block = slot / p.block_size;
+    brow = slot - block * p.block_size;
+  }
+  const CacheView kc = p.dst[layer][0], vc = p.dst[layer][1];  // block-uniform index
+  Bits* const k_dst = reinterpret_cast<Bits*>(kc.base + block * kc.s_block + brow * kc.s_row +
+                                              int64_t(h) * kc.s_head);
+  Bits* const v_dst = reinterpret_cast<Bits*>(vc.base + block * vc.s_block + brow * vc.s_row +
+                                              int64_t(h) * vc.s_head);
+  store_units(v_dst, lu, v);
+  const bool rot = pos >= 0 && pos < p.rope.n_pos;
+  rotate_store_units<E>(p.rope, lu, pos, rot, k, k_dst);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side: argument checks in the words of dflash_ops/ops/_checks.py, then the launch.
+
+constexpr int kMaxLayers = 64;
+
+bool is_float(at::ScalarType t) {
+  return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat;
+}
+
+// Python's repr of a float, near enough: the shortest round-tripping %g, and "-1.0" not "-1".
+std::string py_float(double v) {
+  std::string s;
+  for (int prec = 1; prec <= 17; ++prec) {
+    std::ostringstream o;
+    o.precision(prec);
+    o << v;
+    s = o.str();
+    if (std::strtod(s.c_str(), nullptr) == v) break;
+  }
+  if (s.find_first_of(".eni") == std::string::npos) s += ".0";
+  return s;
+}
+
+void check_rank(const char* op, const std::string& name, const at::Tensor& t, int64_t rank) {
+  TORCH_CHECK_VALUE(t.dim() == rank, "dflash.", op, ": ", name, " must have rank ", rank,
+                    ", got rank ", t.dim(), " (shape ", py_tuple(t.sizes()), ")");
+}
+
+void check_device(const char* op, const std::string& name, const at::Tensor& t,
+                  const at::Device& device) {
+  TORCH_CHECK_VALUE(t.device() == device, "dflash.", op, ": ", name, " must be on ", device,
+                    ", got ", t.device());
+}
+
+void check_same_dtype(const char* op, const std::string& name, const at::Tensor& t,
+                      const char* ref_name, const at::Tensor& ref) {
+  TORCH_CHECK_VALUE(t.scalar_type() == ref.scalar_type(), "dflash.", op, ": ", name,
+                    " must have the dtype of ", ref_name, " (", dtype_name(ref.scalar_type()),
+                    "), got ", dtype_name(t.scalar_type()));
+}
+
+void check_shape(const char* op, const std::string& name, const at::Tensor& t,
+                 c10::IntArrayRef shape) {
+  TORCH_CHECK_VALUE(t.sizes() == shape, "dflash.", op, ": ", name, " must have shape ",
+                    py_list(shape), ", got ", py_list(t.sizes()));
+}
+
+// _checks.index_vector: [n] int64 on device.
+void check_index_vector(const char* op, const char* name, const at::Tensor& t, int64_t n,
+                        const at::Device& device) {
+  check_rank(op, name, t, 1);
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kLong, "dflash.", op, ": ", name,
+                    " must be int64, got ", dtype_name(t.scalar_type()));
+  check_device(op, name, t, device);
+  TORCH_CHECK_VALUE(t.size(0) == n, "dflash.", op, ": ", name, " must have ", n,
+                    " entries (one per token), got ", t.size(0));
+}
+
+// kv.py _check_proj: x [T, H] float on CUDA; w_kv [N, H], bias [N], both of x's dtype.
+void check_proj(const char* op, const at::Tensor& x, const at::Tensor& w_kv,
+                const std::optional<at::Tensor>& bias) {
+  check_rank(op, "x", x, 2);
+  TORCH_CHECK_VALUE(is_float(x.scalar_type()), "dflash.", op,
+                    ": x must be bfloat16/float16/float32, got ", dtype_name(x.scalar_type()));
+  TORCH_CHECK_VALUE(x.is_cuda(), "dflash.", op, ": x must be a CUDA tensor, got device ",
+                    x.device());
+  const at::Device device = x.device();
+  check_rank(op, "w_kv", w_kv, 2);
+  check_device(op, "w_kv", w_kv, device);
+  check_same_dtype(op, "w_kv", w_kv, "x", x);
+  TORCH_CHECK_VALUE(w_kv.size(1) == x.size(1), "dflash.", op, ": w_kv must be [N, H=", x.size(1),
+                    "] (H = x's columns), got ", py_list(w_kv.sizes()));
+  if (bias.has_value()) {
+    check_device(op, "bias", *bias, device);
+    check_shape(op, "bias", *bias, {w_kv.size(0)});
+    check_same_dtype(op, "bias", *bias, "x", x);
+  }
+}
+
+// _checks.caches for one list: n_layers caches [num_blocks, block_size, hkv, d] of x's dtype
+// and device, one shape, unit stride in D.
+void check_caches(const char* op, const char* name, at::TensorList caches, int64_t n_layers,
+                  int64_t hkv, int64_t d, const at::Tensor& x) {
+  TORCH_CHECK_VALUE(static_cast<int64_t>(caches.size()) == n_layers, "dflash.", op, ": ", name,
+                    " must hold one cache per layer (", n_layers, "), got ", caches.size());
+  for (size_t i = 0; i < caches.size(); ++i) {
+    const at::Tensor& c = caches[i];
+    const std::string ci = std::string(name) + "[" + std::to_string(i) + "]";
+    check_rank(op, ci, c, 4);
+    TORCH_CHECK_VALUE(c.scalar_type() == x.scalar_type(), "dflash.", op, ": ", ci, " must be ",
+                      dtype_name(x.scalar_type()), ", got ", dtype_name(c.scalar_type()));
+    check_device(op, ci, c, x.device());
+    TORCH_CHECK_VALUE(last_dim_ok(c), "dflash.", op, ": ", ci,
+                      " must have unit stride in its last dimension, got strides ",
+                      py_tuple(c.strides()));
+    TORCH_CHECK_VALUE(c.size(2) == hkv && c.size(3) == d, "dflash.", op, ": ", ci,
+                      " must have shape [num_blocks, block_size, ", hkv, ", ", d,
+                      "] (Hkv, D), got ", py_list(c.sizes()));
+    TORCH_CHECK_VALUE(i == 0 || c.sizes() == caches[0].sizes(), "dflash.", op, ": ", ci,
+                      " has shape ", py_list(c.sizes()), " but ", name, "[0] has ",
+                      py_list(caches[0].sizes()));
+  }
+}
+
+// kv.py _check_context, in its order; then the C++ limit on layers.
+void check_context(const at::Tensor& x, const at::Tensor& w_kv,
+                   const std::optional<at::Tensor>& bias, const at::Tensor& k_weight,
+                   const at::Tensor& positions, const at::Tensor& cos_sin_cache,
+                   const at::Tensor& slot_mapping, at::TensorList k_caches,
+                   at::TensorList v_caches, double eps,
+                   const std::optional<at::Tensor>& hidden_norm_weight) {
+  constexpr const char* op = "context_kv_";
+  check_proj(op, x, w_kv, bias);
+  const at::Device device = x.device();
+  TORCH_CHECK_VALUE(!k_caches.empty(), "dflash.", op,
+                    ": k_caches must be a non-empty list of per-layer caches");
+  // k_caches[0]: rank 4, x's dtype and device; its [*, *, Hkv, D] sets the shapes
+  const at::Tensor& c0 = k_caches[0];
+  check_rank(op, "k_caches[0]", c0, 4);
+  TORCH_CHECK_VALUE(c0.scalar_type() == x.scalar_type(), "dflash.", op, ": k_caches[0] must be ",
+                    dtype_name(x.scalar_type()), ", got ", dtype_name(c0.scalar_type()));
+  check_device(op, "k_caches[0]", c0, device);
+  const int64_t n_layers = static_cast<int64_t>(k_caches.size());
+  const int64_t hkv = c0.size(2), d = c0.size(3);
+  TORCH_CHECK_VALUE(d == 16 || d == 32 || d == 64 || d == 128 || d == 256, "dflash.", op,
+                    ": k_caches[0] head_dim must be one of [16, 32, 64, 128, 256], got ", d);
+  check_caches(op, "k_caches", k_caches, n_layers, hkv, d, x);
+  check_caches(op, "v_caches", v_caches, n_layers, hkv, d, x);
+  const int64_t n = n_layers * 2 * hkv * d;
+  TORCH_CHECK_VALUE(w_kv.size(0) == n, "dflash.", op, ": w_kv must have L*2*Hkv*D = ", n_layers,
+                    "*2*", hkv, "*", d, " = ", n, " rows (from the caches), got ", w_kv.size(0));
+  // k_weight: [L, D]
+  check_device(op, "k_weight", k_weight, device);
+  check_shape(op, "k_weight", k_weight, {n_layers, d});
+  check_same_dtype(op, "k_weight", k_weight, "x", x);
+  const int64_t t = x.size(0);
+  check_index_vector(op, "positions", positions, t, device);
+  // cos_sin_cache: [P, R] fp32, P > 0, R even, 0 < R <= D
+  check_rank(op, "cos_sin_cache", cos_sin_cache, 2);
+  TORCH_CHECK_VALUE(cos_sin_cache.scalar_type() == at::kFloat, "dflash.", op,
+                    ": cos_sin_cache must be float32, got ",
+                    dtype_name(cos_sin_cache.scalar_type()));
+  check_device(op, "cos_sin_cache", cos_sin_cache, device);
+  const int64_t r = cos_sin_cache.size(1);
+  TORCH_CHECK_VALUE(cos_sin_cache.size(0) > 0, "dflash.", op,
+                    ": cos_sin_cache must have at least one position row, got shape [0, R]");
+  TORCH_CHECK_VALUE(r % 2 == 0 && r > 0 && r <= d, "dflash.", op,
+                    ": cos_sin_cache must have an even number of columns R with 0 < R <= "
+                    "head_dim (", d, "), got R = ", r);
+  check_index_vector(op, "slot_mapping", slot_mapping, t, device);
+  TORCH_CHECK_VALUE(k_caches[0].sizes().slice(0, 2) == v_caches[0].sizes().slice(0, 2),
+                    "dflash.", op, ": v_caches must have the [num_blocks, block_size] of "
+                    "k_caches ", py_list(k_caches[0].sizes().slice(0, 2)), ", got ",
+                    py_list(v_caches[0].sizes().slice(0, 2)));
+  if (hidden_norm_weight.has_value()) {
+    check_device(op, "hidden_norm_weight", *hidden_norm_weight, device);
+    check_shape(op, "hidden_norm_weight", *hidden_norm_weight, {x.size(1)});
+    check_same_dtype(op, "hidden_norm_weight", *hidden_norm_weight, "x", x);
+  }
+  TORCH_CHECK_VALUE(eps >= 0.0, "dflash.", op, ": eps must be >= 0, got ", py_float(eps));
+  TORCH_CHECK_VALUE(n_layers <= kMaxLayers, "dflash.", op, ": k_caches has L = ", n_layers,
+                    " layers; one call writes at most ", kMaxLayers,
+                    " (split the call over layers)");
+}
+
+// x @ w_kv^T (+ bias) through cuBLAS: [T, N] contiguous in x's dtype, fp32 accumulation, one
+// rounding (the bias joins the fp32 sum). T, N or H may be 0 (H = 0: bias or zeros).
+at::Tensor project(const at::Tensor& x, const at::Tensor& w_kv,
+                   const std::optional<at::Tensor>& bias) {
+  return bias.has_value() ? at::addmm(*bias, x, w_kv.t()) : at::mm(x, w_kv.t());
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+template <class E, int V, int NU, int MAXL>
+void launch(const ContextParams<MAXL>& p, bool neox, int tpr_log2, dim3 grid,
+            cudaStream_t stream) {
+  if (neox) {
+    context_kv_kernel<E, V, NU, true, MAXL><<<grid, kBlock, 0, stream>>>(p, tpr_log2);
+  } else {
+    context_kv_kernel<E, V, NU, false, MAXL><<<grid, kBlock, 0, stream>>>(p, tpr_log2);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <class E, int MAXL>
+void launch_dtype(const ContextParams<MAXL>& p, bool vec, bool neox, int tpr_log2, dim3 grid,
+                  cudaStream_t stream) {
+  constexpr int kVec = 16 / static_cast<int>(sizeof(typename E::Bits));
+  if (vec) {
+    launch<E, kVec, 1>(p, neox, tpr_log2, grid, stream);
+  } else {
+    launch<E, 1, 4>(p, neox, tpr_log2, grid, stream);
+  }
+}
+
+// The epilogue over kv [T, N] (contiguous rows): builds the parameters and launches.
+template <int MAXL>
+void run_epilogue(const at::Tensor& kv, const at::Tensor& k_weight, const at::Tensor& positions,
+                  const at::Tensor& cos_sin_cache, const at::Tensor& slot_mapping,
+                  at::TensorList k_caches, at::TensorList v_caches, double eps, bool is_neox) {
+  const int64_t t = kv.size(0), n_layers = static_cast<int64_t>(k_caches.size());
+  const int64_t hkv = k_caches[0].size(2), d = k_caches[0].size(3);
+  const int64_t es = kv.element_size();
+  const int64_t vmax = 16 / es;
+  const int64_t n_slots = k_caches[0].size(0) * k_caches[0].size(1);
+
+  ContextParams<MAXL> p{};
+  p.rope = make_rotary_row(cos_sin_cache, d, eps);
+  p.kv = kv.data_ptr();
+  p.s_tok = t > 1 ? kv.stride(0) : 0;
+  p.s_layer = 2 * hkv * d;
+  p.s_v = hkv * d;
+  p.s_head = d;
+  p.w = k_weight.data_ptr();
+  p.w_row = n_layers > 1 ? k_weight.stride(0) : 0;
+  p.w_col = k_weight.stride(1);
+  p.pos = positions.data_ptr<int64_t>();
+  p.pos_stride = positions.stride(0);
+  p.slots = slot_mapping.data_ptr<int64_t>();
+  p.slot_stride = slot_mapping.stride(0);
+  p.n_slots = n_slots;
+  p.block_size = k_caches[0].size(1);
+  p.slots32 = n_slots < std::numeric_limits<int32_t>::max();
+  if (p.slots32) p.div_bs = make_fast_div(p.block_size);
+  p.div_hkv = make_fast_div(hkv);
+
+  // The vector path: every row start (kv, caches) and k_weight row on 16-byte boundaries,
+  // k_weight with unit column stride, and for NeoX the halves and tail halves in whole vectors.
+  bool vec = !is_neox || (p.rope.half % vmax == 0 && p.rope.tail_half % vmax == 0);
+  vec = vec && aligned16(p.kv) && p.s_tok % vmax == 0;  // s_layer, s_head: multiples of D
+  vec = vec && aligned16(p.w) && p.w_row % vmax == 0 && p.w_col == 1;
+  // Cache byte strides; those of size-1 dims never multiply a non-zero index: 0.
+  auto bstride = [es](const at::Tensor& c, int dim) -> int64_t {
+    return c.size(dim) > 1 ? c.stride(dim) * es : 0;
+  };
+  for (int64_t l = 0; l < n_layers; ++l) {
+    for (int s = 0; s < 2; ++s) {
+      const at::Tensor& c = s ? v_caches[l] : k_caches[l];
+      CacheView& cv = p.dst[l][s];
+      cv.base = static_cast<char*>(c.data_ptr());
+      cv.s_block = bstride(c, 0);
+      cv.s_row = bstride(c, 1);
+      cv.s_head = bstride(c, 2);
+      vec = vec && aligned16(cv.base) && cv.s_block % 16 == 0 && cv.s_row % 16 == 0 &&
+            cv.s_head % 16 == 0;
+    }
+  }
+
+  const int64_t rows = t * hkv;
+  TORCH_CHECK_VALUE(rows < std::numeric_limits<int32_t>::max(), "dflash.context_kv_: x has too "
+                    "many tokens for one launch (T * Hkv = ", rows, " head rows a layer); split "
+                    "the call over tokens");
+  p.rows = static_cast<uint32_t>(rows);
+
+  // Lanes per row: the units of a row (D / (2V): <= 32 with vectors, <= 128 scalar) over lanes
+  // of nu units each, at most 32 lanes.
+  const int v = vec ? static_cast<int>(vmax) : 1;
+  p.rope.units = static_cast<int>(d / (2 * v));
+  const int nu = vec ? 1 : 4;
+  int tpr_log2 = 0;
+  while ((1 << tpr_log2) * nu < p.rope.units && tpr_log2 < 5) ++tpr_log2;
+  const int64_t rows_per_block = kBlock >> tpr_log2;
+  const dim3 grid(static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block),
+                  static_cast<unsigned>(n_layers));
+
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(kv.get_device()).stream();
+  switch (kv.scalar_type()) {
+    case at::kBFloat16:
+      launch_dtype<BF16>(p, vec, is_neox, tpr_log2, grid, stream);
+      break;
+    case at::kHalf:
+      launch_dtype<F16>(p, vec, is_neox, tpr_log2, grid, stream);
+      break;
+    default:
+      launch_dtype<F32>(p, vec, is_neox, tpr_log2, grid, stream);
+      break;
+  }
+}
+
+}  // namespace
+
+at::Tensor kv_proj(const at::Tensor& x, const at::Tensor& w_kv,
+                   const std::optional<at::Tensor>& bias) {
+  check_proj("kv_proj", x, w_kv, bias);
+  const c10::cuda::CUDAGuard guard(x.device());
+  return project(x, w_kv, bias);
+}
+
+void context_kv_(const at::Tensor& x, const at::Tensor& w_kv,
+                 const std::optional<at::Tensor>& bias, const at::Tensor& k_weight,
+                 const at::Tensor& positions, const at::Tensor& cos_sin_cache,
+                 const at::Tensor& slot_mapping, at::TensorList k_caches,
+                 at::TensorList v_caches, double eps, bool is_neox,
+                 const std::optional<at::Tensor>& hidden_norm_weight) {
+  check_context(x, w_kv, bias, k_weight, positions, cos_sin_cache, slot_mapping, k_caches,
+                v_caches, eps, hidden_norm_weight);
+  const int64_t t = x.size(0), hkv = k_caches[0].size(2);
+  const int64_t n_slots = k_caches[0].size(0) * k_caches[0].size(1);
+  if (t == 0 || hkv == 0 || n_slots == 0) return;  // nothing to write
+
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor h = x;
+  if (hidden_norm_weight.has_value()) {
+    // rms_norm takes rows and weights with unit stride in the last dim; the op takes any.
+    const at::Tensor hw =
+        last_dim_ok(*hidden_norm_weight) ? *hidden_norm_weight : hidden_norm_weight->contiguous();
+    h = rms_norm(last_dim_ok(x) ? x : x.contiguous(), hw, eps);
+  }
+  at::Tensor kv = project(h, w_kv, bias);  // [T, L * 2 * Hkv * D]
+  if (kv.stride(1) != 1) kv = kv.contiguous();
+  if (k_caches.size() <= 8) {
+    run_epilogue<8>(kv, k_weight, positions, cos_sin_cache, slot_mapping, k_caches, v_caches,
+                    eps, is_neox);
+  } else {
+    run_epilogue<kMaxLayers>(kv, k_weight, positions, cos_sin_cache, slot_mapping, k_caches,
+                             v_caches, eps, is_neox);
+  }
+}
+
+}  // namespace dflash_ops
