@@ -45,6 +45,9 @@ def proj_grid(t):
             yield tc.ProjCfg(bm, bn, 64, 8, w, tc._stages(st, bm, bn, 64, 2), True)
         yield tc.ProjCfg(128, 128, 64, 8, 8, 3, False)
         yield tc.ProjCfg(128, 128, 128, 8, 8, 3, True)
+        if t <= 512:  # the wave-quantised middle: narrower tiles
+            for bm, bn, st in ((128, 64, 4), (64, 64, 4), (64, 128, 4), (64, 128, 3)):
+                yield tc.ProjCfg(bm, bn, 64, 8, 4, st, True, bm == 64 and bn == 128)
         for bm, bn, st in itertools.product((64, 128), (128, 256), (3, 4)):
             yield tc.ProjCfg(bm, bn, 64, 8, 8 if bm * bn >= 128 * 128 else 4,
                              tc._stages(st, bm, bn, 64, 2), True, True)

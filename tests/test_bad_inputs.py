@@ -435,6 +435,34 @@ def test_bad_input_raises_naming_argument(op, mutate, arg):
     _expect_error(op, kw, arg, op)
 
 
+def _to_cuda(v):
+    """kw with every CPU tensor (also inside lists) moved to the GPU; meta tensors (the device
+    mismatch cases) stay where they are."""
+    if isinstance(v, dict):
+        return {k: _to_cuda(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_to_cuda(x) for x in v)
+    if isinstance(v, torch.Tensor) and v.device.type == "cpu":
+        return v.cuda()
+    return v
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("op, mutate, arg", _params())
+def test_bad_input_raises_naming_argument_gpu(op, mutate, arg, backend):
+    """The same cases on CUDA tensors with each GPU backend forced: the C++ kernels validate in
+    C++ (the dispatcher calls them directly), so their messages are checked here."""
+    if not dispatch.has_backend(op, backend):
+        pytest.skip(f"no {backend} kernel for {op}")
+    torch.manual_seed(0)
+    kw = BASES[op]()
+    mutate(kw)
+    kw = _to_cuda(kw)
+    with dflash_ops.use_backend(backend, ops=[op]):
+        _expect_error(op, kw, arg, f"{op} [{backend}]")
+
+
 # --------------------------------------------------------------------------------------------
 # DFLASH_OPS_DEBUG=1: out-of-range device values become errors (nothing written); without it
 # they are skipped as documented.
