@@ -28,14 +28,14 @@ if _want_cuda():
 
     here = os.path.dirname(os.path.abspath(__file__))
     sources = sorted(glob.glob("csrc/*.cu") + glob.glob("csrc/*.cpp"))
-    nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
+    nvcc = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
     if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
         # sm_90a: Hopper with wgmma/setmaxnreg. Other GPUs: set TORCH_CUDA_ARCH_LIST.
         nvcc.append("-gencode=arch=compute_90a,code=sm_90a")
     ext_modules.append(CUDAExtension(
         name="dflash_ops._C", sources=sources,
         include_dirs=[os.path.join(here, "csrc")],
-        extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": nvcc},
+        extra_compile_args={"cxx": ["-O3", "-std=c++20"], "nvcc": nvcc},
         define_macros=[("DFLASH_OPS_PYTHON_MODULE", "1")]))
     cmdclass["build_ext"] = BuildExtension.with_options(use_ninja=True)
 

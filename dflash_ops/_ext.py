@@ -32,12 +32,12 @@ def _jit_build():
         raise RuntimeError(f"no CUDA sources under {src} (a wheel install has no csrc/)")
     arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
     major, minor = torch.cuda.get_device_capability()
-    cuda_flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
+    cuda_flags = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
     if not arch:
         suffix = "a" if major == 9 else ""
         cuda_flags.append(f"-gencode=arch=compute_{major}{minor}{suffix},"
                           f"code=sm_{major}{minor}{suffix}")
-    load(name="dflash_ops_C_jit", sources=sources, extra_cflags=["-O3", "-std=c++17"],
+    load(name="dflash_ops_C_jit", sources=sources, extra_cflags=["-O3", "-std=c++20"],
          extra_cuda_cflags=cuda_flags, extra_include_paths=[str(src)],
          is_python_module=False, verbose=os.environ.get("DFLASH_OPS_VERBOSE") == "1")
 

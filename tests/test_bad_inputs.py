@@ -435,16 +435,26 @@ def test_bad_input_raises_naming_argument(op, mutate, arg):
     _expect_error(op, kw, arg, op)
 
 
-def _to_cuda(v):
-    """kw with every CPU tensor (also inside lists) moved to the GPU; meta tensors (the device
-    mismatch cases) stay where they are."""
+def _to_cuda(v, device="cuda"):
+    """kw with every CPU tensor (also inside lists) moved to ``device`` with its exact sizes,
+    strides and storage offset (``.to()`` would make a strided view contiguous and lose the
+    case); meta tensors (the device mismatch cases) stay where they are."""
     if isinstance(v, dict):
-        return {k: _to_cuda(x) for k, x in v.items()}
+        return {k: _to_cuda(x, device) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return type(v)(_to_cuda(x) for x in v)
+        return type(v)(_to_cuda(x, device) for x in v)
     if isinstance(v, torch.Tensor) and v.device.type == "cpu":
-        return v.cuda()
+        store = v.untyped_storage()
+        flat = torch.empty(0, dtype=v.dtype).set_(store, 0, (store.nbytes() // v.element_size(),))
+        return flat.to(device).as_strided(v.size(), v.stride(), v.storage_offset())
     return v
+
+
+def test_to_cuda_keeps_strides():
+    x = strided_last(4, 3, 64)[1:]
+    y = _to_cuda({"x": [x]}, device="cpu")["x"][0]
+    assert y.stride() == x.stride() and y.storage_offset() == x.storage_offset()
+    assert torch.equal(y, x)
 
 
 @pytest.mark.gpu
