@@ -10,6 +10,7 @@ if importlib.util.find_spec("triton") is not None:
     from . import rope  # noqa: F401
     from . import kv  # noqa: F401
     from . import context  # noqa: F401
+    from . import attention  # noqa: F401
     AVAILABLE = True
 else:  # pragma: no cover - triton ships with CUDA torch and in the test extras
     AVAILABLE = False

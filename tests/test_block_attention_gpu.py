@@ -1,0 +1,150 @@
+"""``block_attention`` GPU kernels against the float64 dense SDPA truth (tests/test_reference.py).
+
+Each GPU backend that has the op is forced in turn (the Triton kernel is registered only with
+DFLASH_OPS_EXPERIMENTAL=1 until this file has passed on the H200). Cases: the interpreter test's
+grid in bf16/fp16 (every mask mode, GQA 1/4/8, D 64/128, splits 1/4/auto), D 256, a long
+request (4096 + 3 keys) next to short ones, a CUDA graph captured with one set of lengths and
+replayed with others, and a cache of more than 2^31 elements (64-bit offsets).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import dflash_ops
+from dflash_ops import dispatch
+from tests import test_triton_attention_interp as interp
+from tests.test_reference import F64, assert_rule, dense_attention, paged_case
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+BF16, FP16 = torch.bfloat16, torch.float16
+BACKENDS = ["triton", "cuda"]
+
+
+def _need(backend):
+    if not dispatch.has_backend("block_attention", backend):
+        pytest.skip(f"no {backend} kernel for block_attention (available: "
+                    f"{dispatch.available_backends('block_attention')})")
+
+
+def _check(backend, dtype, seq_lens, q_lens, bs, hkv, ratio, d, causal=False, window=-1,
+           use_sinks=False, seed=0):
+    torch.manual_seed(seed)
+    q, kc, vc, table, sl, qsl = paged_case(seq_lens, q_lens, bs, hkv, hkv * ratio, d, dtype)
+    sinks = (torch.randn(hkv * ratio) * 2.0) if use_sinks else None
+    scale = 1.0 / math.sqrt(d)
+    args = (q, kc, vc, table, sl, qsl, scale, causal, window, sinks)
+    truth = dense_attention(*args, cd=F64)
+    dev = [a.to(DEV) if isinstance(a, torch.Tensor) else a for a in args]
+    out = torch.full_like(dev[0], float("nan"))
+    with dflash_ops.use_backend(backend, ops=["block_attention_out_"]):
+        dflash_ops.block_attention(*dev, out=out)
+    what = f"block_attention[{backend}] {dtype} S={seq_lens} gqa={ratio} D={d}"
+    assert not torch.isnan(out).any(), f"{what}: NaN"
+    assert_rule(out.cpu(), truth, dense_attention(*args, cd=dtype), what)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+def test_triton_grid(dtype):
+    _need("triton")
+    interp.check_block_attention(DEV, dtypes=(dtype,), splits_list=(1, 4, None))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ["noncausal", "causal", "window"])
+def test_head_dim_256(backend, mode):
+    _need(backend)
+    _check(backend, BF16, [1, 33, 300], [1, 16, 7], 16, 2, 4, 256, causal=mode == "causal",
+           window=40 if mode == "window" else -1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ratio", [1, 4, 8])
+def test_long_request_next_to_short_ones(backend, ratio):
+    _need(backend)
+    _check(backend, BF16, [4096 + 3, 1, 1000, 17], [16, 1, 16, 9], 16, 2, ratio, 128,
+           use_sinks=ratio == 4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cuda_graph_replay_with_other_lengths(backend):
+    """Capture once (after a warm-up), then replay with new seq_lens / query_start_loc /
+    block tables copied into the static inputs: the split choice never reads lengths."""
+    _need(backend)
+    torch.manual_seed(3)
+    bs, hkv, ratio, d, b, m = 16, 2, 4, 128, 3, 80
+    nb = b * m + 4
+    kc = torch.randn(nb, bs, hkv, d, device=DEV).to(BF16)
+    vc = torch.randn(nb, bs, hkv, d, device=DEV).to(BF16)
+    tq = 3 * 16
+    q = torch.empty(tq, hkv * ratio, d, device=DEV, dtype=BF16)
+    table = torch.zeros(b, m, dtype=torch.int32, device=DEV)
+    sl = torch.zeros(b, dtype=torch.int32, device=DEV)
+    qsl = torch.zeros(b + 1, dtype=torch.int32, device=DEV)
+    out = torch.empty_like(q)
+    scale = 1 / math.sqrt(d)
+
+    def fill(seq_lens, q_lens):
+        q.copy_(torch.randn_like(q, dtype=torch.float32).to(BF16))
+        table.copy_(torch.randperm(nb)[:b * m].view(b, m).to(torch.int32))
+        sl.copy_(torch.tensor(seq_lens, dtype=torch.int32))
+        qsl.copy_(torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32))
+
+    def call():
+        dflash_ops.block_attention(q, kc, vc, table, sl, qsl, scale, False, -1, None, out=out)
+
+    with dflash_ops.use_backend(backend, ops=["block_attention_out_"]):
+        fill([100, 200, 300], [16, 16, 16])
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            call()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            call()
+        for seq_lens, q_lens in (([1280, 16, 700], [16, 1, 9]), ([5, 1000, 1279], [5, 16, 16])):
+            fill(seq_lens, q_lens)
+            out.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            args = [a.cpu() if isinstance(a, torch.Tensor) else a
+                    for a in (q, kc, vc, table, sl, qsl, scale, False, -1, None)]
+            truth = dense_attention(*args, cd=F64)
+            assert not torch.isnan(out).any(), f"replay {seq_lens}: NaN"
+            assert_rule(out.cpu(), truth, dense_attention(*args, cd=BF16), f"replay {seq_lens}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cache_past_32bit_offsets(backend):
+    """A [num_blocks, 16, 8, 128] bf16 cache of > 2^31 elements (4.6 GB each for K and V);
+    the request's blocks sit at the top of it."""
+    _need(backend)
+    if torch.cuda.mem_get_info()[0] < 12 * 2**30:
+        pytest.skip("needs 12 GB of free GPU memory")
+    bs, hkv, d, ratio = 16, 8, 128, 4
+    nb = 2**31 // (bs * hkv * d) + 64
+    kc = torch.empty(nb, bs, hkv, d, device=DEV, dtype=BF16)
+    vc = torch.empty_like(kc)
+    seq, ql = 300, 16
+    used = -(-seq // bs)
+    ids = torch.arange(nb - used, nb, dtype=torch.int32)[torch.randperm(used)]
+    kc[ids.long()] = torch.randn(used, bs, hkv, d, device=DEV).to(BF16)
+    vc[ids.long()] = torch.randn(used, bs, hkv, d, device=DEV).to(BF16)
+    table = ids[None].to(DEV)
+    sl = torch.tensor([seq], dtype=torch.int32, device=DEV)
+    qsl = torch.tensor([0, ql], dtype=torch.int32, device=DEV)
+    q = torch.randn(ql, hkv * ratio, d, device=DEV).to(BF16)
+    scale = 1 / math.sqrt(d)
+    with dflash_ops.use_backend(backend, ops=["block_attention"]):
+        out = dflash_ops.block_attention(q, kc, vc, table, sl, qsl, scale)
+    # the same keys in a small cache
+    small_k, small_v = kc[ids.long()].cpu(), vc[ids.long()].cpu()
+    small_t = torch.arange(used, dtype=torch.int32)[None]
+    args = (q.cpu(), small_k, small_v, small_t, sl.cpu(), qsl.cpu(), scale, False, -1, None)
+    del kc, vc
+    assert_rule(out.cpu(), dense_attention(*args, cd=F64), dense_attention(*args, cd=BF16),
+                "block_attention past 2^31")
