@@ -45,12 +45,15 @@ DEFAULT_CUDA: Dict[str, str] = {
     "rms_norm": "cuda", "fused_add_rms_norm_": "cuda", "rope_": "cuda", "qk_norm_rope_": "cuda",
     "knorm_rope_": "cuda", "store_kv_": "cuda",
     # cuBLAS (+ the C++ epilogue): host cost of one C++ call; Triton's kv_proj is at best even
-    "kv_proj": "cuda", "context_kv_": "cuda"}
+    "kv_proj": "cuda", "context_kv_": "cuda",
+    # until the GPU kernels have passed tests/test_block_attention_gpu.py on the H200
+    "block_attention": "torch", "block_attention_out_": "torch"}
 GRAPH_CUDA: Dict[str, str] = {
     "rms_norm": "triton", "fused_add_rms_norm_": "triton", "rope_": "triton",
     "qk_norm_rope_": "triton", "knorm_rope_": "triton", "store_kv_": "cuda",
     # kv_proj: cuBLAS ties or beats the Triton GEMM at every T but 4096 (sweep_context.py)
-    "kv_proj": "cuda", "context_kv_": "cuda"}
+    "kv_proj": "cuda", "context_kv_": "cuda",
+    "block_attention": "torch", "block_attention_out_": "torch"}
 _PREFERENCE = ("cuda", "triton", "torch")
 
 _lib = torch.library.Library(NAMESPACE, "DEF")
