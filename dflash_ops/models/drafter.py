@@ -1,0 +1,172 @@
+"""The DFlash drafter on ``torch.ops.dflash``: context K/V (``add_context``) and one block forward
+(``propose``), as ../shared/DFLASH.md describes and the ``dflash`` package computes.
+
+Per step, for a batch of requests:
+
+* ``add_context(tap_hidden, requests, positions)``: the target's tap hidden states of the
+  newly committed tokens -> ``fc`` -> ``context_kv_`` (hidden_norm, the stacked K/V GEMM of every
+  layer, per-layer K RMSNorm, RoPE, paged write) into every layer's cache.
+* ``propose(block_ids, requests, start)``: the block ``[last token, MASK x N]`` of each request
+  at positions ``start .. start + B - 1`` (``start`` = the request's committed length, whose
+  context K/V are all in the cache). Per layer: RMSNorm, the fused QKV GEMM, ``qk_norm_rope_``,
+  ``store_kv_`` of the block's K/V at the slots after the context (the next ``add_context``
+  overwrites them with the committed tokens' context K/V: the cache keeps context only), then
+  ``block_attention`` over context + block (non-causal unless the layer is causal/sliding),
+  ``o_proj``, residual, SwiGLU MLP; final norm; the LM head on the mask rows only; logits
+  scaled and soft-capped as the config says; greedy tokens.
+
+Weights are the checkpoint's (names of DFLASH.md, ``models.weights``); the embedding and LM head
+come from the target unless the checkpoint ships its own. Every request's block has the same
+length B (the config's block_size unless given).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .. import ops  # noqa: F401  (defines torch.ops.dflash.*)
+from ..ops.rope import make_cos_sin_cache
+from .cache import PagedKVCache
+from .config import DFlashConfig
+from .weights import stack_kv
+
+OPS = torch.ops.dflash
+
+
+class DFlashDrafter:
+    def __init__(self, cfg: DFlashConfig, state: dict, *, embed_tokens: Optional[torch.Tensor]
+                 = None, lm_head: Optional[torch.Tensor] = None, dtype=torch.bfloat16,
+                 device=None, num_blocks: int = 256, cache_block_size: int = 16,
+                 max_requests: int = 8, max_len: int = 4096):
+        self.cfg = cfg
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        self.dtype, self.device = dtype, dev
+
+        def w(name):
+            return state[name].to(device=dev, dtype=dtype).contiguous()
+
+        self.embed = state["embed_tokens.weight"] if "embed_tokens.weight" in state else embed_tokens
+        self.lm_head = state["lm_head.weight"] if "lm_head.weight" in state else lm_head
+        if self.embed is None or self.lm_head is None:
+            missing = [n for n, t in (("embed_tokens", self.embed), ("lm_head", self.lm_head))
+                       if t is None]
+            raise ValueError(f"DFlashDrafter: the checkpoint {cfg.source} ships no {missing}; "
+                             f"pass the target's as embed_tokens= / lm_head=")
+        self.embed = self.embed.to(device=dev, dtype=dtype)
+        self.lm_head = self.lm_head.to(device=dev, dtype=dtype)
+        self.mask_embedding = (w("mask_embedding").reshape(-1) if "mask_embedding" in state
+                               else None)
+        self.d2t = state["d2t"].to(dev).long() if "d2t" in state else None
+
+        self.fc = w("fc.weight")
+        self.hidden_norm = w("hidden_norm.weight")
+        self.norm = w("norm.weight")
+        w_kv, b_kv, k_weight = stack_kv(state, cfg)
+        self.w_kv = w_kv.to(device=dev, dtype=dtype).contiguous()
+        self.b_kv = None if b_kv is None else b_kv.to(device=dev, dtype=dtype)
+        self.k_weight = k_weight.to(device=dev, dtype=dtype).contiguous()
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"layers.{i}."
+            a = p + "self_attn."
+            qkv = torch.cat([state[a + n + "_proj.weight"] for n in "qkv"])
+            bias = (torch.cat([state[a + n + "_proj.bias"] for n in "qkv"])
+                    if cfg.attention_bias else None)
+            self.layers.append(dict(
+                in_ln=w(p + "input_layernorm.weight"),
+                post_ln=w(p + "post_attention_layernorm.weight"),
+                qkv=qkv.to(device=dev, dtype=dtype).contiguous(),
+                qkv_b=None if bias is None else bias.to(device=dev, dtype=dtype),
+                o=w(a + "o_proj.weight"),
+                o_b=w(a + "o_proj.bias") if cfg.attention_bias else None,
+                q_norm=w(a + "q_norm.weight"), k_norm=w(a + "k_norm.weight"),
+                gate_up=torch.cat([state[p + "mlp.gate_proj.weight"],
+                                   state[p + "mlp.up_proj.weight"]]).to(device=dev, dtype=dtype),
+                down=w(p + "mlp.down_proj.weight"),
+                sinks=(state[a + "sinks"].to(device=dev, dtype=torch.float32)
+                       if cfg.attention_sinks else None),
+                causal=cfg.layer_causal(i), window=cfg.layer_window(i)))
+        self.cos_sin = make_cos_sin_cache(max(cfg.max_position_embeddings, max_len),
+                                          cfg.rotary_dim, base=cfg.rope_theta, device=dev)
+        self.cache = PagedKVCache(cfg.num_layers, num_blocks, cache_block_size, cfg.num_kv_heads,
+                                  cfg.head_dim, max_requests, max_len, dtype, dev)
+        self.scale = cfg.head_dim ** -0.5
+
+    # ------------------------------------------------------------------------------ context
+    def add_context(self, tap_hidden: torch.Tensor, requests: torch.Tensor,
+                    positions: torch.Tensor) -> None:
+        """K/V of newly committed tokens: tap_hidden [T, n_taps * H_target] (the target's hidden
+        states at target_layer_ids, concatenated), requests [T] (request slot of each row),
+        positions [T]; a row with position < 0 is padding (written nowhere)."""
+        cfg = self.cfg
+        c = F.linear(tap_hidden.to(self.dtype), self.fc)
+        slots = self.cache.slots(requests, positions)
+        OPS.context_kv_(c, self.w_kv, self.b_kv, self.k_weight, positions.long(), self.cos_sin,
+                        slots, self.cache.k, self.cache.v, cfg.rms_norm_eps, cfg.rope_is_neox,
+                        self.hidden_norm)
+
+    # ------------------------------------------------------------------------------ block
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(ids, self.embed) * self.cfg.input_embedding_scale
+        if self.mask_embedding is not None:
+            x = torch.where((ids == self.cfg.mask_token_id)[:, None],
+                            self.mask_embedding.to(x.dtype)[None, :], x)
+        return x
+
+    def forward_block(self, block_ids: torch.Tensor, requests: torch.Tensor,
+                      start: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states [R * B, H] of the blocks block_ids [R, B] of requests [R]
+        whose first token sits at position start[R] (the committed length)."""
+        cfg = self.cfg
+        r, b = block_ids.shape
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        pos = (start.long()[:, None] + torch.arange(b, device=self.device)[None, :]).reshape(-1)
+        req = requests.long()[:, None].expand(r, b).reshape(-1)
+        slots = self.cache.slots(req, pos)
+        table = self.cache.block_table[requests.long()]
+        seq_lens = (start.long() + b).to(torch.int32)
+        qsl = torch.arange(0, (r + 1) * b, b, dtype=torch.int32, device=self.device)
+        x = self._embed(block_ids.reshape(-1))
+        h = torch.empty_like(x)
+        for i, lw in enumerate(self.layers):
+            if i == 0:
+                h = OPS.rms_norm(x, lw["in_ln"], cfg.rms_norm_eps)
+            else:  # x += previous sublayer output (in h); h = norm(x)
+                OPS.fused_add_rms_norm_(h, x, lw["in_ln"], cfg.rms_norm_eps)
+            qkv = F.linear(h, lw["qkv"], lw["qkv_b"])
+            q = qkv[:, :hq * d].view(-1, hq, d)
+            k = qkv[:, hq * d:(hq + hkv) * d].view(-1, hkv, d)
+            v = qkv[:, (hq + hkv) * d:].view(-1, hkv, d)
+            OPS.qk_norm_rope_(q, k, lw["q_norm"], lw["k_norm"], pos, self.cos_sin,
+                              cfg.rms_norm_eps, cfg.rope_is_neox)
+            OPS.store_kv_(k[:, None], v[:, None], [self.cache.k[i]], [self.cache.v[i]], slots)
+            attn = OPS.block_attention(q.contiguous(), self.cache.k[i], self.cache.v[i], table,
+                                       seq_lens, qsl, self.scale, lw["causal"], lw["window"],
+                                       lw["sinks"])
+            o = F.linear(attn.view(-1, hq * d), lw["o"], lw["o_b"])
+            OPS.fused_add_rms_norm_(o, x, lw["post_ln"], cfg.rms_norm_eps)  # x += o; o = norm
+            gu = F.linear(o, lw["gate_up"])
+            g, u = gu.chunk(2, dim=-1)
+            h = F.linear(F.silu(g) * u, lw["down"])
+        x = x + h
+        return OPS.rms_norm(x, self.norm, cfg.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        z = F.linear(hidden, self.lm_head).float() * cfg.output_multiplier
+        if cfg.final_logit_softcapping:
+            cap = float(cfg.final_logit_softcapping)
+            z = torch.tanh(z / cap) * cap
+        return z
+
+    def propose(self, block_ids: torch.Tensor, requests: torch.Tensor, start: torch.Tensor):
+        """(draft tokens [R, B-1], their logits [R, B-1, V]) for the mask rows of each block."""
+        r, b = block_ids.shape
+        hidden = self.forward_block(block_ids, requests, start).view(r, b, -1)[:, 1:]
+        z = self.logits(hidden)
+        tokens = z.argmax(-1)
+        if self.d2t is not None:  # reduced draft vocabulary: draft id -> target id
+            tokens = tokens + self.d2t[tokens]
+        return tokens, z
