@@ -44,6 +44,10 @@ SUITES = {
                    "knorm_rope_ (k = kv[:,:,0]), qk_norm_rope_ (QKV slices), store_kv_ (vLLM "
                    "caches): Qwen3-8B / gpt-oss-20b-DFlash shapes; cuda / triton vs torch eager, "
                    "torch.compile, unfused chains, Liger, floor; host overhead"),
+    "attention": ("dflash_ops.bench.attention",
+                  "block_attention, 16 queries/request over a paged bf16 cache (Hq 32, Hkv 8, "
+                  "D 128; B x S up to 128 x 8192, 1 x 131072): triton / cuda vs SDPA flash / "
+                  "cuDNN / efficient, FlexAttention (paged, contiguous), floor; causal / window"),
 }
 
 
