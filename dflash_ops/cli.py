@@ -1,4 +1,4 @@
-"""The ``dflash-ops`` command: ``info``, ``check``, ``bench``."""
+"""The ``dflash-ops`` command: ``demo``, ``info``, ``check``, ``bench``."""
 from __future__ import annotations
 
 import argparse
@@ -71,8 +71,10 @@ def main(argv=None) -> int:
     c.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="test dtype (default: bf16 on CUDA, fp16 on CPU)")
     sub.add_parser("bench", help="run benchmark suites (dflash-ops bench --list)")
+    from dflash_ops.speculator import demo
+    demo.add_parser(sub)
     args = parser.parse_args(argv)
-    return {"info": _info, "check": _check}[args.cmd](args)
+    return {"info": _info, "check": _check, "demo": demo.run}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -170,3 +170,35 @@ class DFlashDrafter:
         if self.d2t is not None:  # reduced draft vocabulary: draft id -> target id
             tokens = tokens + self.d2t[tokens]
         return tokens, z
+
+
+def random_drafter_state(cfg: DFlashConfig, seed: int = 0) -> dict:
+    """Seeded random weights under the checkpoint names (tests, the built-in demo pair):
+    matrices ~ N(0, 1/fan_in), norm weights 1 + 0.1 N(0, 1)."""
+    g = torch.Generator().manual_seed(seed)
+    h, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+
+    def mat(o, i):
+        return torch.randn(o, i, generator=g) * i ** -0.5
+
+    def norm(n):
+        return 1 + 0.1 * torch.randn(n, generator=g)
+
+    s = {"fc.weight": mat(h, cfg.n_taps * cfg.target_hidden_size), "hidden_norm.weight": norm(h),
+         "norm.weight": norm(h)}
+    for i in range(cfg.num_layers):
+        p, a = f"layers.{i}.", f"layers.{i}.self_attn."
+        s.update({a + "q_proj.weight": mat(hq * d, h), a + "k_proj.weight": mat(hkv * d, h),
+                  a + "v_proj.weight": mat(hkv * d, h), a + "o_proj.weight": mat(h, hq * d),
+                  a + "q_norm.weight": norm(d), a + "k_norm.weight": norm(d),
+                  p + "mlp.gate_proj.weight": mat(cfg.intermediate_size, h),
+                  p + "mlp.up_proj.weight": mat(cfg.intermediate_size, h),
+                  p + "mlp.down_proj.weight": mat(h, cfg.intermediate_size),
+                  p + "input_layernorm.weight": norm(h),
+                  p + "post_attention_layernorm.weight": norm(h)})
+        if cfg.attention_bias:
+            for n, w in (("q", hq * d), ("k", hkv * d), ("v", hkv * d), ("o", h)):
+                s[a + n + "_proj.bias"] = 0.1 * torch.randn(w, generator=g)
+        if cfg.attention_sinks:
+            s[a + "sinks"] = torch.randn(hq, generator=g)
+    return s

@@ -1,0 +1,173 @@
+"""The DFlash draft-and-verify loop, greedy, eager (the CUDA-graph version is issue 6's next step).
+
+Per request: prefill the target on the prompt (logits of the last token -> the first new token;
+tap hidden states of every prompt token -> the drafter's context K/V). Then per iteration, for
+every active request at once:
+
+1. draft: the block ``[last committed token, MASK x (B-1)]`` at positions ``start ..
+   start + B - 1`` (``start`` = the committed length before ``last``) -> B-1 draft tokens;
+2. verify: the target runs the block (causal, its own paged KV) -> posterior = argmax per row;
+3. accept the longest prefix where ``draft[j] == posterior[j-1]``, plus the target's token at the
+   first mismatch (the bonus): ``accepted + 1`` tokens committed, cut at the request's stop
+   token or max_new_tokens;
+4. the committed block tokens' tap hidden states (rows ``0 .. accepted`` of the verify) become
+   context K/V of the drafter; KV of rejected positions stays in both caches but is never
+   visible (attention is bounded by each request's length) and is overwritten next iteration.
+
+``plain_greedy`` decodes with the target alone (one token per step), the reference the
+speculative output must equal token for token.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+
+@dataclass
+class Stats:
+    iterations: int = 0
+    committed: int = 0
+    acceptance: List[int] = field(default_factory=list)  # tokens committed per request-iteration
+    seconds: dict = field(default_factory=lambda: {"prefill": 0.0, "draft": 0.0,
+                                                   "verify": 0.0, "accept": 0.0})
+
+    @property
+    def mean_acceptance(self) -> float:
+        return sum(self.acceptance) / max(1, len(self.acceptance))
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _cut(tokens: List[int], room: int, stop: set) -> tuple:
+    """tokens cut to ``room`` and after the first stop token; (kept, finished)."""
+    kept = []
+    for t in tokens[:room]:
+        kept.append(t)
+        if t in stop:
+            return kept, True
+    return kept, len(kept) >= room
+
+
+def _prefill(target, prompts, tap_layers):
+    dev = target.device
+    ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)
+    reqs = torch.arange(len(prompts), device=dev)
+    q_lens = torch.tensor([len(p) for p in prompts], device=dev)
+    logits, taps = target.forward(ids, reqs, torch.zeros_like(q_lens), q_lens, tap_layers)
+    last = torch.cumsum(q_lens, 0) - 1
+    return logits[last].argmax(-1).tolist(), taps
+
+
+def plain_greedy(target, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 stop_token_ids: Sequence[int] = ()) -> List[List[int]]:
+    """Target-only greedy decoding of every prompt (the speculative output's reference)."""
+    dev = target.device
+    stop = set(stop_token_ids)
+    for r, p in enumerate(prompts):
+        target.add_request(r, len(p) + max_new_tokens + 1)
+    try:
+        first, _ = _prefill(target, prompts, None)
+        out = [[t] for t in first]
+        done = [t in stop or max_new_tokens <= 1 for t in first]
+        lens = [len(p) for p in prompts]
+        while not all(done):
+            act = [r for r in range(len(prompts)) if not done[r]]
+            ids = torch.tensor([out[r][-1] for r in act], device=dev)
+            logits, _ = target.forward(ids, torch.tensor(act, device=dev),
+                                       torch.tensor([lens[r] + len(out[r]) - 1 for r in act],
+                                                    device=dev),
+                                       torch.ones(len(act), dtype=torch.long, device=dev), None)
+            for i, r in enumerate(act):
+                t = int(logits[i].argmax())
+                out[r].append(t)
+                done[r] = t in stop or len(out[r]) >= max_new_tokens
+        return out
+    finally:
+        for r in range(len(prompts)):
+            target.free_request(r)
+
+
+def speculative_greedy(target, drafter, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                       stop_token_ids: Sequence[int] = (), block_size: Optional[int] = None,
+                       on_iteration: Optional[Callable[[int], None]] = None):
+    """(new tokens per prompt, Stats): greedy DFlash decoding; equals ``plain_greedy``."""
+    dev = target.device
+    cfg = drafter.cfg
+    bsz = block_size or cfg.block_size
+    if bsz < 2:
+        raise ValueError(f"speculative_greedy: block_size must be >= 2, got {bsz}")
+    stop = set(stop_token_ids)
+    stats = Stats()
+    n = len(prompts)
+    for r, p in enumerate(prompts):
+        cap = len(p) + max_new_tokens + bsz + 1
+        target.add_request(r, cap)
+        drafter.cache.add_request(r, cap)
+    try:
+        t0 = time.perf_counter()
+        first, taps = _prefill(target, prompts, cfg.target_layer_ids)
+        reqs = torch.cat([torch.full((len(p),), r, device=dev) for r, p in enumerate(prompts)])
+        pos = torch.cat([torch.arange(len(p), device=dev) for p in prompts])
+        drafter.add_context(taps, reqs, pos)
+        _sync(dev)
+        stats.seconds["prefill"] += time.perf_counter() - t0
+        out = [[t] for t in first]
+        done = [t in stop or max_new_tokens <= 1 for t in first]
+        start = [len(p) for p in prompts]  # position of each request's last committed token
+        while not all(done):
+            act = [r for r in range(n) if not done[r]]
+            ra = torch.tensor(act, device=dev)
+            st = torch.tensor([start[r] for r in act], device=dev)
+            block = torch.full((len(act), bsz), cfg.mask_token_id, dtype=torch.long, device=dev)
+            block[:, 0] = torch.tensor([out[r][-1] for r in act], device=dev)
+            t0 = time.perf_counter()
+            drafts, _ = drafter.propose(block, ra, st)
+            block[:, 1:] = drafts
+            _sync(dev)
+            t1 = time.perf_counter()
+            logits, taps = target.forward(block.reshape(-1), ra, st,
+                                          torch.full((len(act),), bsz, device=dev),
+                                          cfg.target_layer_ids)
+            post = logits.view(len(act), bsz, -1).argmax(-1)
+            _sync(dev)
+            t2 = time.perf_counter()
+            match = (block[:, 1:] == post[:, :-1]).int().cumprod(1).sum(1)
+            match, post_l, block_l = match.tolist(), post.tolist(), block.tolist()
+            rows_r, rows_p, rows_t = [], [], []
+            for i, r in enumerate(act):
+                acc = match[i]
+                new = block_l[i][1:acc + 1] + [post_l[i][acc]]
+                kept, fin = _cut(new, max_new_tokens - len(out[r]), stop)
+                out[r].extend(kept)
+                done[r] = fin
+                stats.acceptance.append(len(kept))
+                # committed block rows 0..len(kept)-1 (last token + accepted drafts) -> context
+                for j in range(len(kept)):
+                    rows_r.append(r)
+                    rows_p.append(start[r] + j)
+                    rows_t.append(i * bsz + j)
+                start[r] += len(kept)
+            if rows_t:
+                drafter.add_context(taps[torch.tensor(rows_t, device=dev)],
+                                    torch.tensor(rows_r, device=dev),
+                                    torch.tensor(rows_p, device=dev))
+            _sync(dev)
+            t3 = time.perf_counter()
+            stats.seconds["draft"] += t1 - t0
+            stats.seconds["verify"] += t2 - t1
+            stats.seconds["accept"] += t3 - t2
+            stats.iterations += 1
+            if on_iteration is not None:
+                on_iteration(sum(len(o) for o in out))
+        stats.committed = sum(len(o) for o in out)
+        return out, stats
+    finally:
+        for r in range(n):
+            target.free_request(r)
+            drafter.cache.free_request(r)
