@@ -91,4 +91,42 @@ void context_kv_(const at::Tensor& x, const at::Tensor& w_kv,
                  at::TensorList v_caches, double eps, bool is_neox,
                  const std::optional<at::Tensor>& hidden_norm_weight);
 
+// block_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens,
+//                 Tensor query_start_loc, float scale, bool causal=False, int window=-1,
+//                 Tensor? sinks=None) -> Tensor
+//   Attention of each request's block of query tokens over its paged K/V.
+//   q: [Tq, Hq, D] bf16/fp16/fp32, any strides with unit stride in D, D in {16, 32, 64, 128,
+//   256}; k_cache, v_cache: [num_blocks, block_size, Hkv, D] of q's dtype, any strides with unit
+//   stride in D, Hq a multiple of Hkv (query head h reads KV head h / (Hq / Hkv));
+//   block_table: [B, M] int32; seq_lens: [B] int32; query_start_loc: [B + 1] int32; sinks: [Hq]
+//   fp32 (a per-head logit in the softmax denominator only); scale > 0.
+//   Request b owns the rows q[query_start_loc[b]:query_start_loc[b+1]], the last q_len of its
+//   seq_lens[b] positions; key j lives in block block_table[b, j / block_size], row
+//   j % block_size. causal: a query sees keys <= its position; window > 0: keys with
+//   pos - j < window (causal) or |pos - j| < window; window <= 0: no window.
+//   Device values are bounds-checked on the device: a block id outside [0, num_blocks) hides its
+//   keys, seq_lens is clamped to [0, M * block_size], a query that sees no key gets zeros, and
+//   rows outside [query_start_loc[0], query_start_loc[B]) are zeros.
+//   Returns a new contiguous [Tq, Hq, D] tensor in q's dtype. fp32 softmax statistics and
+//   accumulation; bf16/fp16 run on tensor cores with the probabilities rounded to q's dtype for
+//   the P V product. The key range may be split over CTAs (the split count depends on shapes
+//   only, so a CUDA graph replays for any lengths); the fp32 partial results and their merge
+//   then take a [splits, Tq * Hq, D + 1] fp32 buffer from the caching allocator.
+at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& block_table,
+                           const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                           double scale, bool causal, int64_t window,
+                           const std::optional<at::Tensor>& sinks);
+
+// block_attention_out_(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table,
+//                      Tensor seq_lens, Tensor query_start_loc, float scale, bool causal=False,
+//                      int window=-1, Tensor? sinks=None, *, Tensor(a!) out) -> ()
+//   block_attention written into out: [Tq, Hq, D] of q's dtype, any strides with unit stride
+//   in D (rows not on 16-byte boundaries go through a contiguous copy).
+void block_attention_out_(const at::Tensor& q, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const at::Tensor& block_table,
+                          const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                          double scale, bool causal, int64_t window,
+                          const std::optional<at::Tensor>& sinks, at::Tensor& out);
+
 }  // namespace dflash_ops

@@ -20,6 +20,8 @@ TORCH_LIBRARY_IMPL(dflash, CUDA, m) {
   m.impl("store_kv_", TORCH_FN(dflash_ops::store_kv_));
   m.impl("kv_proj", TORCH_FN(dflash_ops::kv_proj));
   m.impl("context_kv_", TORCH_FN(dflash_ops::context_kv_));
+  m.impl("block_attention", TORCH_FN(dflash_ops::block_attention));
+  m.impl("block_attention_out_", TORCH_FN(dflash_ops::block_attention_out_));
 }
 
 #ifdef DFLASH_OPS_PYTHON_MODULE
