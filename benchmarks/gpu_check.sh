@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The one script run on the H200 (device tool): install (builds dflash_ops._C), info, check, the
 # GPU tests, the benchmarks. Logs and result tables go under $OUT (at most 8 files come back).
-# Usage: bash benchmarks/gpu_check.sh [tests|bench|ctx|sweep|cmake|all]   (all: tests + bench + ctx)
+# Usage: bash benchmarks/gpu_check.sh [probe|tests|bench|ctx|attn|sweep|cmake|all]   (all: tests + bench + ctx)
+#   probe: every bad-input case through the C++ checks, one subprocess each (segfault hunt)
+#   attn:  the attention suite (set DFLASH_OPS_EXPERIMENTAL=1 for the Triton kernel)
 # Set DFLASH_OPS_COMMIT (the device copy has no .git) so result files name the commit.
 set -uo pipefail
 OUT=${OUT:-/tmp/dflash-gpu-out}
@@ -25,6 +27,13 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
     | tee "$OUT/pytest_gpu.log"
   rc=${PIPESTATUS[0]}
   echo "tests: $(( $(date +%s) - t0 )) s"
+fi
+if [ "$what" = probe ]; then
+  timeout 200 python3 tests/probe_bad_inputs_gpu.py 2>&1 | tee "$OUT/probe.log" | grep -v "names-arg"
+fi
+if [ "$what" = attn ]; then
+  timeout 500 python3 benchmarks/bench_attention.py ${BENCH_ARGS:-} --out "$OUT/results" 2>&1 \
+    | tee "$OUT/bench_attn.log"
 fi
 if [ "$what" = sweep ]; then
   { python3 benchmarks/sweep_norm.py
