@@ -150,7 +150,8 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, qsl_ptr, sink_ptr, out_ptr
         else:
             pptr = (op_ptr + s * op_st_s + t.to(tl.int64)[:, None] * op_st_t
                     + (hh * op_st_h)[:, None] + d[None, :])
-            tl.store(pptr, o, mask=row_ok[:, None] & (start < end))
+            wrote = row_ok & ((start + tok * 0) < end)  # an empty split writes only its lse
+            tl.store(pptr, o, mask=wrote[:, None])
             tl.store(lse_ptr + s * lse_st_s + t.to(tl.int64) * lse_st_t + hh, lse2, mask=row_ok)
 
     if s == 0:  # rows no request owns: zeros
