@@ -114,3 +114,87 @@ def test_demo_command_runs_and_matches_plain_greedy(capsys):
     assert rc == 0, out
     assert "output equals plain greedy decoding: yes" in out
     assert "acceptance length" in out and "tokens/s" in out
+
+
+def _small_vocab_pair(vocab=4, block_size=4, requests=16):
+    tcfg = TargetConfig(hidden_size=H, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
+                        intermediate_size=128, vocab_size=vocab, rms_norm_eps=1e-6,
+                        rope_theta=10000.0, max_position_embeddings=512,
+                        tie_word_embeddings=False, attention_bias=False, qk_norm=True,
+                        source="<test>")
+    target = Target.random(tcfg, seed=11, dtype=torch.float32, num_blocks=8 * requests,
+                           block_size=4, max_requests=requests, max_len=32)
+    with torch.no_grad():  # sharper than random init: a distribution far from uniform
+        target.lm_head.mul_(3.0)
+    dcfg = DFlashConfig(hidden_size=H, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
+                        intermediate_size=96, vocab_size=vocab, mask_token_id=vocab - 1,
+                        target_layer_ids=[0, 1], block_size=block_size,
+                        max_position_embeddings=512, source="<test>")
+    drafter = DFlashDrafter(dcfg, random_drafter_state(dcfg, 12), embed_tokens=target.embed,
+                            lm_head=target.lm_head, dtype=torch.float32, num_blocks=8 * requests,
+                            cache_block_size=4, max_requests=requests, max_len=32)
+    return target, drafter
+
+
+def _exact_joint(target, prompt, n, temperature, top_k):
+    """P(first n new tokens) of plain sampling from the target, by enumeration."""
+    from dflash_ops.speculator.loop import probs_from_logits
+    vocab = target.cfg.vocab_size
+    joint = {}
+
+    def cond(prefix):
+        target.add_request(0, 32)
+        try:
+            logits, _ = target.forward(torch.tensor(prefix), [0], [0], [len(prefix)])
+        finally:
+            target.free_request(0)
+        return probs_from_logits(logits[-1], temperature, top_k=top_k).double()
+
+    def walk(prefix, prob, depth):
+        if depth == n:
+            joint[tuple(prefix[len(prompt):])] = prob
+            return
+        p = cond(prefix)
+        for t in range(vocab):
+            if p[t] > 0:
+                walk(prefix + [t], prob * float(p[t]), depth + 1)
+    walk(list(prompt), 1.0, 0)
+    return joint
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_sampling_matches_target_distribution(top_k):
+    """Chi-square over the joint of the first three new tokens (the first from the prefill, the
+    next two from one draft-and-verify iteration with block 4): speculative rejection sampling
+    must reproduce plain sampling from the target. 0.1% significance."""
+    target, drafter = _small_vocab_pair()
+    prompt = [0, 2, 1, 1, 0]
+    temp, n_new, reps = 1.0, 3, 16
+    want = _exact_joint(target, prompt, n_new, temp, top_k)
+    gen = torch.Generator().manual_seed(0)
+    counts, total, accepted = {}, 0, []
+    for _ in range(250):
+        got, st = speculative_greedy(target, drafter, [prompt] * reps, n_new, temperature=temp,
+                                     top_k=top_k, generator=gen)
+        accepted += st.acceptance
+        for o in got:
+            counts[tuple(o)] = counts.get(tuple(o), 0) + 1
+            total += 1
+    assert set(counts) <= {k for k, v in want.items() if v > 0}, "a token outside the support"
+    # cells with expected count < 5 are pooled
+    stat, df, pool_e, pool_o = 0.0, -1, 0.0, 0
+    for k, pk in want.items():
+        e, o = pk * total, counts.get(k, 0)
+        if e < 5:
+            pool_e, pool_o = pool_e + e, pool_o + o
+            continue
+        stat += (o - e) ** 2 / e
+        df += 1
+    if pool_e > 0:
+        stat += (pool_o - pool_e) ** 2 / pool_e
+        df += 1
+    z = 3.09  # the 0.999 quantile of N(0, 1); Wilson-Hilferty for the chi-square quantile
+    limit = df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+    assert stat < limit, f"chi-square {stat:.1f} >= {limit:.1f} (df {df}); counts {counts}"
+    # the drafter is random: both acceptances and rejections happened
+    assert min(accepted) >= 1 and max(accepted) >= 2, accepted[:20]

@@ -14,6 +14,13 @@ every active request at once:
    context K/V of the drafter; KV of rejected positions stays in both caches but is never
    visible (attention is bounded by each request's length) and is overwritten next iteration.
 
+With ``temperature > 0`` (``top_p``, ``top_k`` as usual) drafts are sampled from the drafter's
+distribution q and accepted by speculative rejection sampling against the target's p: draft j is
+kept with probability min(1, p_{j-1}(d_j) / q_j(d_j)); at the first rejection the token is drawn
+from normalise(max(p - q, 0)); after B-1 acceptances the bonus is drawn from p. The output then
+has the target's distribution exactly (tests/test_speculator.py checks it with a chi-square
+test).
+
 ``plain_greedy`` decodes with the target alone (one token per step), the reference the
 speculative output must equal token for token.
 """
@@ -54,6 +61,30 @@ def _cut(tokens: List[int], room: int, stop: set) -> tuple:
     return kept, len(kept) >= room
 
 
+def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
+                      top_k: int = 0) -> torch.Tensor:
+    """Sampling distribution over the last dim: softmax(logits / temperature), cut to the top_k
+    tokens (0: all) and to the smallest set whose mass reaches top_p, renormalised."""
+    if temperature <= 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise ValueError(f"sampling needs temperature > 0, top_p in (0, 1], top_k >= 0; got "
+                         f"{temperature}, {top_p}, {top_k}")
+    z = logits.float() / temperature
+    if 0 < top_k < z.shape[-1]:
+        kth = z.topk(top_k, dim=-1).values[..., -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    p = torch.softmax(z, dim=-1)
+    if top_p < 1:
+        sp, order = p.sort(dim=-1, descending=True)
+        keep = sp.cumsum(-1) - sp < top_p  # the tokens needed to reach top_p
+        p = torch.zeros_like(p).scatter(-1, order, sp * keep)
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+def _sample(p: torch.Tensor, gen) -> torch.Tensor:
+    return torch.multinomial(p.reshape(-1, p.shape[-1]), 1, generator=gen).view(p.shape[:-1])
+
+
 def _prefill(target, prompts, tap_layers):
     dev = target.device
     ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)
@@ -61,7 +92,7 @@ def _prefill(target, prompts, tap_layers):
     q_lens = torch.tensor([len(p) for p in prompts], device=dev)
     logits, taps = target.forward(ids, reqs, torch.zeros_like(q_lens), q_lens, tap_layers)
     last = torch.cumsum(q_lens, 0) - 1
-    return logits[last].argmax(-1).tolist(), taps
+    return logits[last], taps
 
 
 def plain_greedy(target, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -72,9 +103,9 @@ def plain_greedy(target, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     for r, p in enumerate(prompts):
         target.add_request(r, len(p) + max_new_tokens + 1)
     try:
-        first, _ = _prefill(target, prompts, None)
-        out = [[t] for t in first]
-        done = [t in stop or max_new_tokens <= 1 for t in first]
+        first_logits, _ = _prefill(target, prompts, None)
+        out = [[t] for t in first_logits.argmax(-1).tolist()]
+        done = [o[0] in stop or max_new_tokens <= 1 for o in out]
         lens = [len(p) for p in prompts]
         while not all(done):
             act = [r for r in range(len(prompts)) if not done[r]]
@@ -95,8 +126,19 @@ def plain_greedy(target, prompts: Sequence[Sequence[int]], max_new_tokens: int,
 
 def speculative_greedy(target, drafter, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                        stop_token_ids: Sequence[int] = (), block_size: Optional[int] = None,
-                       on_iteration: Optional[Callable[[int], None]] = None):
-    """(new tokens per prompt, Stats): greedy DFlash decoding; equals ``plain_greedy``."""
+                       on_iteration: Optional[Callable[[int], None]] = None,
+                       temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                       generator: Optional[torch.Generator] = None):
+    """(new tokens per prompt, Stats): DFlash decoding. Greedy (temperature 0) equals
+    ``plain_greedy``; with temperature > 0 the output follows the target's sampling
+    distribution (speculative rejection sampling). ``generator``: a torch.Generator on the
+    target's device for the random draws."""
+    sampling = temperature > 0
+    if sampling:
+        probs_from_logits(torch.zeros(1), temperature, top_p, top_k)  # validates the arguments
+        if getattr(drafter, "d2t", None) is not None:
+            raise NotImplementedError("speculative sampling with a reduced draft vocabulary "
+                                      "(d2t) is not implemented")
     dev = target.device
     cfg = drafter.cfg
     bsz = block_size or cfg.block_size
@@ -111,7 +153,9 @@ def speculative_greedy(target, drafter, prompts: Sequence[Sequence[int]], max_ne
         drafter.cache.add_request(r, cap)
     try:
         t0 = time.perf_counter()
-        first, taps = _prefill(target, prompts, cfg.target_layer_ids)
+        first_logits, taps = _prefill(target, prompts, cfg.target_layer_ids)
+        first = (_sample(probs_from_logits(first_logits, temperature, top_p, top_k), generator)
+                 if sampling else first_logits.argmax(-1)).tolist()
         reqs = torch.cat([torch.full((len(p),), r, device=dev) for r, p in enumerate(prompts)])
         pos = torch.cat([torch.arange(len(p), device=dev) for p in prompts])
         drafter.add_context(taps, reqs, pos)
@@ -127,17 +171,37 @@ def speculative_greedy(target, drafter, prompts: Sequence[Sequence[int]], max_ne
             block = torch.full((len(act), bsz), cfg.mask_token_id, dtype=torch.long, device=dev)
             block[:, 0] = torch.tensor([out[r][-1] for r in act], device=dev)
             t0 = time.perf_counter()
-            drafts, _ = drafter.propose(block, ra, st)
+            drafts, dlogits = drafter.propose(block, ra, st)
+            if sampling:
+                q = probs_from_logits(dlogits, temperature, top_p, top_k)  # [R, B-1, V]
+                drafts = _sample(q, generator)
             block[:, 1:] = drafts
             _sync(dev)
             t1 = time.perf_counter()
             logits, taps = target.forward(block.reshape(-1), ra, st,
                                           torch.full((len(act),), bsz, device=dev),
                                           cfg.target_layer_ids)
-            post = logits.view(len(act), bsz, -1).argmax(-1)
+            logits = logits.view(len(act), bsz, -1)
             _sync(dev)
             t2 = time.perf_counter()
-            match = (block[:, 1:] == post[:, :-1]).int().cumprod(1).sum(1)
+            if sampling:
+                p = probs_from_logits(logits, temperature, top_p, top_k)  # [R, B, V]
+                d = block[:, 1:, None]
+                p_d = p[:, :-1].gather(-1, d)[..., 0]
+                q_d = q.gather(-1, d)[..., 0]
+                u = torch.rand(q_d.shape, device=dev, generator=generator)
+                match = (u * q_d < p_d).int().cumprod(1).sum(1)
+                rows = torch.arange(len(act), device=dev)
+                resid = (p[rows, match] - torch.cat([q, torch.zeros_like(q[:, :1])], 1)[
+                    rows, match]).clamp_min(0)
+                # all accepted (match = B-1): the padded q row is 0, so resid = p[B-1]
+                mass = resid.sum(-1, keepdim=True)
+                resid = torch.where(mass > 0, resid / mass.clamp_min(1e-30), p[rows, match])
+                post = torch.zeros_like(block)
+                post[rows, match] = _sample(resid, generator)
+            else:
+                post = logits.argmax(-1)
+                match = (block[:, 1:] == post[:, :-1]).int().cumprod(1).sum(1)
             match, post_l, block_l = match.tolist(), post.tolist(), block.tolist()
             rows_r, rows_p, rows_t = [], [], []
             for i, r in enumerate(act):
