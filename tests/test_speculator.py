@@ -13,7 +13,7 @@ import torch
 from dflash_ops.models.config import DFlashConfig
 from dflash_ops.models.drafter import DFlashDrafter, random_drafter_state
 from dflash_ops.models.target import Target, TargetConfig
-from dflash_ops.speculator import plain_greedy, speculative_greedy
+from dflash_ops.speculator import plain_greedy, speculative_generate
 
 VOCAB, MASK, H = 97, 96, 64
 
@@ -49,7 +49,7 @@ def test_speculative_equals_plain_greedy(block_size, batch):
     target, drafter = _pair(block_size, seed=block_size)
     prompts = _prompts(batch, seed=batch * 10 + block_size)
     want = plain_greedy(target, prompts, 13)
-    got, stats = speculative_greedy(target, drafter, prompts, 13)
+    got, stats = speculative_generate(target, drafter, prompts, 13)
     assert got == want
     assert all(len(o) == 13 for o in got)
     assert stats.committed == 13 * batch
@@ -61,7 +61,7 @@ def test_stop_tokens_mid_block():
     free = plain_greedy(target, prompts, 20)
     stop = [free[0][6], free[2][3]]  # tokens the plain decode emits mid-way
     want = plain_greedy(target, prompts, 20, stop)
-    got, _ = speculative_greedy(target, drafter, prompts, 20, stop)
+    got, _ = speculative_generate(target, drafter, prompts, 20, stop)
     assert got == want
     for o in got:
         assert len(o) == 20 or o[-1] in stop
@@ -99,7 +99,7 @@ def test_scripted_drafters_pin_acceptance(wrong_at, per_iter):
     n_new = 1 + 4 * 5  # the first token, then five full iterations
     plain = plain_greedy(target, prompts, n_new + 8)
     seqs = [p + o for p, o in zip(prompts, plain)]
-    got, stats = speculative_greedy(target, _ScriptedDrafter(real, seqs, wrong_at), prompts,
+    got, stats = speculative_generate(target, _ScriptedDrafter(real, seqs, wrong_at), prompts,
                                     n_new)
     assert got == [o[:n_new] for o in plain]
     full = stats.acceptance[:-2]  # the last iteration may be cut by max_new_tokens
@@ -174,7 +174,7 @@ def test_sampling_matches_target_distribution(top_k):
     gen = torch.Generator().manual_seed(0)
     counts, total, accepted = {}, 0, []
     for _ in range(250):
-        got, st = speculative_greedy(target, drafter, [prompt] * reps, n_new, temperature=temp,
+        got, st = speculative_generate(target, drafter, [prompt] * reps, n_new, temperature=temp,
                                      top_k=top_k, generator=gen)
         accepted += st.acceptance
         for o in got:

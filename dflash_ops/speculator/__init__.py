@@ -1,4 +1,4 @@
 """The DFlash draft-and-verify loop (``loop``) and the built-in demo (``demo``)."""
-from .loop import Stats, plain_greedy, speculative_greedy
+from .loop import Stats, plain_greedy, speculative_generate
 
-__all__ = ["Stats", "plain_greedy", "speculative_greedy"]
+__all__ = ["Stats", "plain_greedy", "speculative_generate"]

@@ -73,7 +73,7 @@ class _Progress:
 
 
 def run(args) -> int:
-    from .loop import plain_greedy, speculative_greedy
+    from .loop import plain_greedy, speculative_generate
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
@@ -107,7 +107,7 @@ def run(args) -> int:
 
     bar = _Progress(total, "DFlash greedy")
     t0 = time.perf_counter()
-    got, st = speculative_greedy(target, drafter, prompts, args.max_new_tokens,
+    got, st = speculative_generate(target, drafter, prompts, args.max_new_tokens,
                                  on_iteration=bar)
     t_spec = time.perf_counter() - t0
     bar.close()

@@ -124,7 +124,7 @@ def plain_greedy(target, prompts: Sequence[Sequence[int]], max_new_tokens: int,
             target.free_request(r)
 
 
-def speculative_greedy(target, drafter, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                        stop_token_ids: Sequence[int] = (), block_size: Optional[int] = None,
                        on_iteration: Optional[Callable[[int], None]] = None,
                        temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
@@ -143,7 +143,7 @@ def speculative_greedy(target, drafter, prompts: Sequence[Sequence[int]], max_ne
     cfg = drafter.cfg
     bsz = block_size or cfg.block_size
     if bsz < 2:
-        raise ValueError(f"speculative_greedy: block_size must be >= 2, got {bsz}")
+        raise ValueError(f"speculative_generate: block_size must be >= 2, got {bsz}")
     stop = set(stop_token_ids)
     stats = Stats()
     n = len(prompts)
