@@ -62,7 +62,15 @@ class _Head(torch.nn.Module):
         return F.linear(x, self.weight)
 
 
-def _run(cfg_dict, fmt, tmp_path, seed=0, steps=(7, 2, 4, 1, 3)):
+def _close_fp32(got, want, step):
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4,
+                               msg=lambda m: f"step {step}: {m}")
+    assert torch.equal(got.argmax(-1), want.argmax(-1)), f"step {step}: drafts differ"
+
+
+def _run(cfg_dict, fmt, tmp_path, seed=0, steps=(7, 2, 4, 1, 3), device="cpu",
+         dtype=torch.float32, compare=_close_fp32):
+    """Reference (fp32, CPU) vs ours (``dtype`` on ``device``, whatever backends are active)."""
     ref = _reference(cfg_dict, seed)
     state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     if fmt == "zlab":
@@ -74,10 +82,10 @@ def _run(cfg_dict, fmt, tmp_path, seed=0, steps=(7, 2, 4, 1, 3)):
     embed = torch.randn(VOCAB, H)
     head = torch.randn(VOCAB, H) * H ** -0.5
     ours = DFlashDrafter(cfg, load_state(tmp_path), embed_tokens=embed, lm_head=head,
-                         dtype=torch.float32, num_blocks=16, cache_block_size=4, max_requests=2,
-                         max_len=64)
+                         dtype=dtype, device=device, num_blocks=16, cache_block_size=4,
+                         max_requests=2, max_len=64)
     ours.cache.add_request(1)  # request slot 1 (slot 0 stays unused: tables must not mix)
-    req = torch.tensor([1])
+    req = torch.tensor([1], device=device)
     bsz = cfg.block_size
     cache = dm._make_cache(ref.config)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -85,7 +93,8 @@ def _run(cfg_dict, fmt, tmp_path, seed=0, steps=(7, 2, 4, 1, 3)):
     with torch.no_grad():
         for step, n_new in enumerate(steps):
             f = torch.randn(1, n_new, len(cfg.target_layer_ids) * H, generator=gen)
-            ours.add_context(f[0], req.expand(n_new), torch.arange(start, start + n_new))
+            ours.add_context(f[0].to(device), req.expand(n_new),
+                             torch.arange(start, start + n_new, device=device))
             start += n_new
             ids = torch.tensor([[tok] + [MASK] * (bsz - 1)])
             noise = F.embedding(ids, embed)
@@ -94,11 +103,9 @@ def _run(cfg_dict, fmt, tmp_path, seed=0, steps=(7, 2, 4, 1, 3)):
                       past_key_values=cache, use_cache=True)[:, 1 - bsz:, :]
             dm._crop_to(cache, start)
             want = ref.compute_logits(hid, _Head(head))[0]
-            drafts, got = ours.propose(ids, req, torch.tensor([start]))
-            torch.testing.assert_close(got[0], want, atol=2e-4, rtol=2e-4,
-                                       msg=lambda m: f"step {step}: {m}")
-            assert torch.equal(drafts[0], want.argmax(-1)), f"step {step}: drafts differ"
-            tok = int(drafts[0, 0])
+            drafts, got = ours.propose(ids.to(device), req, torch.tensor([start], device=device))
+            compare(got[0].float().cpu(), want, step)
+            tok = int(want.argmax(-1)[0])
 
 
 @pytest.mark.parametrize("fmt", ["zlab", "speculators"])
@@ -113,3 +120,49 @@ def test_parity_sliding_and_full(tmp_path):
 
 def test_parity_all_causal(tmp_path):
     _run(_cfg_dict(is_causal=True), "zlab", tmp_path, seed=2)
+
+
+def _saved(tmp_path, fmt="zlab"):
+    cfg_dict = _cfg_dict()
+    state = {k: v.detach().clone() for k, v in _reference(cfg_dict, 0).state_dict().items()}
+    return cfg_dict, state
+
+
+def _build(tmp_path, cfg_dict, state):
+    save_zlab(tmp_path, cfg_dict, state)
+    cfg = DFlashConfig.from_pretrained(tmp_path)
+    return DFlashDrafter(cfg, load_state(tmp_path), embed_tokens=torch.zeros(VOCAB, H),
+                         lm_head=torch.zeros(VOCAB, H), dtype=torch.float32, num_blocks=4,
+                         cache_block_size=4, max_requests=1, max_len=16)
+
+
+def test_bad_checkpoint_missing_tensor(tmp_path):
+    cfg_dict, state = _saved(tmp_path)
+    del state["layers.1.self_attn.k_norm.weight"]
+    with pytest.raises(ValueError, match=r"missing: layers\.1\.self_attn\.k_norm\.weight"):
+        _build(tmp_path, cfg_dict, state)
+
+
+def test_bad_checkpoint_wrong_shape_and_unexpected(tmp_path):
+    cfg_dict, state = _saved(tmp_path)
+    state["fc.weight"] = state["fc.weight"][:, :-1].clone()
+    state["layers.0.extra.weight"] = torch.zeros(3)
+    with pytest.raises(ValueError) as e:
+        _build(tmp_path, cfg_dict, state)
+    assert "fc.weight" in str(e.value) and "layers.0.extra.weight" in str(e.value)
+
+
+def test_bad_checkpoint_no_mask_token(tmp_path):
+    cfg_dict, state = _saved(tmp_path)
+    del cfg_dict["dflash_config"]["mask_token_id"]
+    with pytest.raises(ValueError, match="mask_token_id"):
+        _build(tmp_path, cfg_dict, state)
+
+
+def test_no_embedding_anywhere_is_an_error(tmp_path):
+    cfg_dict, state = _saved(tmp_path)
+    save_zlab(tmp_path, cfg_dict, state)
+    cfg = DFlashConfig.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="embed_tokens"):
+        DFlashDrafter(cfg, load_state(tmp_path), lm_head=torch.zeros(VOCAB, H),
+                      dtype=torch.float32, num_blocks=4, cache_block_size=4)

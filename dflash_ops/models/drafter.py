@@ -30,7 +30,7 @@ from .. import ops  # noqa: F401  (defines torch.ops.dflash.*)
 from ..ops.rope import make_cos_sin_cache
 from .cache import PagedKVCache
 from .config import DFlashConfig
-from .weights import stack_kv
+from .weights import check_drafter_state, stack_kv
 
 OPS = torch.ops.dflash
 
@@ -41,6 +41,7 @@ class DFlashDrafter:
                  device=None, num_blocks: int = 256, cache_block_size: int = 16,
                  max_requests: int = 8, max_len: int = 4096):
         self.cfg = cfg
+        state = check_drafter_state(state, cfg, cfg.source)  # one error listing every bad tensor
         dev = torch.device(device) if device is not None else torch.device("cpu")
         self.dtype, self.device = dtype, dev
 
