@@ -1,0 +1,14 @@
+// Diagnostics for a crash seen on the H200 (2026-11-29): TORCH_CHECK_VALUE messages that stream a
+// number segfaulted in our C++ argument checks. `dflash_probe::raise_in_cu(which)` (compiled by
+// nvcc) and `raise_in_cpp(which)` (compiled by the host C++ compiler) each throw one
+// TORCH_CHECK_VALUE whose message holds one kind of value, so a crash names the culprit:
+//   0: text only   1: std::string   2: int64_t   3: double   4: IntArrayRef   5: c10::Device
+// Registered as torch.ops.dflash_probe.raise_cu / raise_cpp (tests/probe_bad_inputs_gpu.py).
+#pragma once
+
+#include <cstdint>
+
+namespace dflash_probe {
+void raise_in_cu(int64_t which);
+void raise_in_cpp(int64_t which);
+}  // namespace dflash_probe
