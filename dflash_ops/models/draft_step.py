@@ -1,0 +1,104 @@
+"""One drafter step with static buffers, replayable as a CUDA graph per padded batch size.
+
+A step = the context precompute for up to ``max_batch * block_size`` newly committed tokens
+(``add_context``) + the block forward of up to ``max_batch`` requests + the LM head on the mask
+rows + argmax. Inputs are copied into static buffers (``load``); the batch is padded to a
+bucket: padded context rows get position -1 (their slot is -1: written nowhere), padded block
+rows run as a scratch request slot whose cache blocks nobody reads. ``run(bucket)`` runs the
+step eagerly; ``capture(bucket)`` records it in a CUDA graph (after a warm-up on a side stream,
+under ``dispatch.graph_backends()``) and later ``run`` calls replay it. Outputs: ``tokens``
+[bucket, B-1] (greedy drafts) and ``logits`` [bucket, B-1, V], static tensors overwritten by
+each run.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+from .. import dispatch
+from .drafter import DFlashDrafter
+
+
+class DraftStep:
+    def __init__(self, drafter: DFlashDrafter, max_batch: int, scratch_request: int,
+                 block_size: Optional[int] = None):
+        cfg = drafter.cfg
+        dev = drafter.device
+        self.drafter, self.max_batch = drafter, max_batch
+        self.b = block_size or cfg.block_size
+        self.scratch = scratch_request
+        # padded block rows run at positions [0, B) of this slot: nobody reads its blocks
+        drafter.cache.add_request(scratch_request, self.b)
+        n_ctx = max_batch * self.b
+        width = cfg.n_taps * cfg.target_hidden_size
+        self.ctx_hidden = torch.zeros(n_ctx, width, dtype=drafter.dtype, device=dev)
+        self.ctx_req = torch.full((n_ctx,), scratch_request, dtype=torch.long, device=dev)
+        self.ctx_pos = torch.full((n_ctx,), -1, dtype=torch.long, device=dev)
+        self.block_ids = torch.full((max_batch, self.b), cfg.mask_token_id, dtype=torch.long,
+                                    device=dev)
+        self.requests = torch.full((max_batch,), scratch_request, dtype=torch.long, device=dev)
+        self.start = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        self.tokens: Optional[torch.Tensor] = None
+        self.logits: Optional[torch.Tensor] = None
+        self._graphs: Dict[int, torch.cuda.CUDAGraph] = {}
+        self._outs: Dict[int, tuple] = {}
+
+    def bucket(self, n: int) -> int:
+        """The padded batch size for n requests: the next power of two, at most max_batch."""
+        if not 0 < n <= self.max_batch:
+            raise ValueError(f"DraftStep: batch {n} outside [1, {self.max_batch}]")
+        return min(self.max_batch, 1 << (n - 1).bit_length())
+
+    def load(self, ctx_hidden, ctx_requests, ctx_positions, block_ids, requests, start) -> int:
+        """Copy one step's inputs into the static buffers; returns the bucket to run."""
+        n_ctx, r = ctx_hidden.shape[0], block_ids.shape[0]
+        if n_ctx > self.ctx_hidden.shape[0]:
+            raise ValueError(f"DraftStep.load: {n_ctx} context rows, at most "
+                             f"{self.ctx_hidden.shape[0]} (max_batch * block_size)")
+        if block_ids.shape[1] != self.b:
+            raise ValueError(f"DraftStep.load: block_ids must be [R, {self.b}], got "
+                             f"{list(block_ids.shape)}")
+        bucket = self.bucket(r)
+        self.ctx_hidden[:n_ctx].copy_(ctx_hidden)
+        self.ctx_req[:n_ctx].copy_(ctx_requests)
+        self.ctx_pos[:n_ctx].copy_(ctx_positions)
+        self.ctx_req[n_ctx:].fill_(self.scratch)
+        self.ctx_pos[n_ctx:].fill_(-1)
+        self.block_ids[:r].copy_(block_ids)
+        self.requests[:r].copy_(requests)
+        self.start[:r].copy_(start)
+        self.block_ids[r:bucket].fill_(self.drafter.cfg.mask_token_id)
+        self.requests[r:bucket].fill_(self.scratch)
+        self.start[r:bucket].fill_(0)
+        return bucket
+
+    def _step(self, bucket: int) -> tuple:
+        d = self.drafter
+        d.add_context(self.ctx_hidden, self.ctx_req, self.ctx_pos)
+        return d.propose(self.block_ids[:bucket], self.requests[:bucket], self.start[:bucket])
+
+    def run(self, bucket: int) -> tuple:
+        """(tokens [bucket, B-1], logits [bucket, B-1, V]); replays the graph if captured."""
+        g = self._graphs.get(bucket)
+        if g is None:
+            self.tokens, self.logits = self._step(bucket)
+            return self.tokens, self.logits
+        g.replay()
+        self.tokens, self.logits = self._outs[bucket]
+        return self.tokens, self.logits
+
+    def capture(self, bucket: int) -> None:
+        """Record the step for ``bucket`` in a CUDA graph (inputs: the static buffers). The
+        warm-up before capture runs the step once for real on the loaded inputs (its cache
+        writes are the ones a replay repeats, so load the step's inputs first)."""
+        with dispatch.graph_backends():
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: compiles, autotunes, fills caches
+                self._step(bucket)
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = self._step(bucket)
+        self._graphs[bucket], self._outs[bucket] = g, out
