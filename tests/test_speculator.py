@@ -198,3 +198,24 @@ def test_sampling_matches_target_distribution(top_k):
     assert stat < limit, f"chi-square {stat:.1f} >= {limit:.1f} (df {df}); counts {counts}"
     # the drafter is random: both acceptances and rejections happened
     assert min(accepted) >= 1 and max(accepted) >= 2, accepted[:20]
+
+
+def test_commit_block_cases():
+    from dflash_ops.speculator.accept import commit_block
+    block = torch.tensor([[9, 1, 2, 3], [9, 4, 5, 6], [9, 7, 8, 1], [9, 2, 2, 2]])
+    post = torch.tensor([[1, 2, 5, 0], [0, 0, 0, 0], [7, 8, 1, 4], [2, 2, 2, 3]])
+    match = torch.tensor([2, 0, 3, 3])  # accepted drafts per request
+    n_out = torch.tensor([0, 0, 5, 0])
+    out = torch.full((4, 12), -1)
+    kept, done, last = commit_block(block, post, match, n_out, 7, torch.tensor([8]), out,
+                                     torch.arange(4))
+    # r0: drafts 1, 2 + target's 5; r1: only the target's 0; r2: room 2 of 7 -> 7, then stop 8
+    # cuts at 8 (also the room); r3: all three drafts + bonus 3
+    assert kept.tolist() == [3, 1, 2, 4]
+    assert done.tolist() == [False, False, True, False]
+    assert last.tolist() == [5, 0, 8, 3]
+    assert out[0, :3].tolist() == [1, 2, 5] and out[1, :1].tolist() == [0]
+    assert out[2, 5:7].tolist() == [7, 8] and out[3, :4].tolist() == [2, 2, 2, 3]
+    kept, done, _ = commit_block(block[:1], post[:1], match[:1], torch.tensor([0]), 7,
+                                 torch.tensor([1]), out, torch.tensor([0]))
+    assert kept.tolist() == [1] and done.tolist() == [True]  # stop token as the first new token

@@ -1,4 +1,5 @@
-"""The DFlash draft-and-verify loop, greedy, eager (the CUDA-graph version is issue 6's next step).
+"""The DFlash draft-and-verify loop, eager (CUDA graphs for the draft and verify steps are the
+next step: ``models.draft_step`` has the drafter's).
 
 Per request: prefill the target on the prompt (logits of the last token -> the first new token;
 tap hidden states of every prompt token -> the drafter's context K/V). Then per iteration, for
@@ -10,6 +11,8 @@ every active request at once:
 3. accept the longest prefix where ``draft[j] == posterior[j-1]``, plus the target's token at the
    first mismatch (the bonus): ``accepted + 1`` tokens committed, cut at the request's stop
    token or max_new_tokens;
+   (``accept.commit_block``, on the device: the host reads only the done flags and committed
+   counts, once an iteration);
 4. the committed block tokens' tap hidden states (rows ``0 .. accepted`` of the verify) become
    context K/V of the drafter; KV of rejected positions stays in both caches but is never
    visible (attention is bounded by each request's length) and is overwritten next iteration.
@@ -32,6 +35,8 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from .accept import commit_block
+
 
 @dataclass
 class Stats:
@@ -49,16 +54,6 @@ class Stats:
 def _sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
-
-
-def _cut(tokens: List[int], room: int, stop: set) -> tuple:
-    """tokens cut to ``room`` and after the first stop token; (kept, finished)."""
-    kept = []
-    for t in tokens[:room]:
-        kept.append(t)
-        if t in stop:
-            return kept, True
-    return kept, len(kept) >= room
 
 
 def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
@@ -155,21 +150,30 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
         t0 = time.perf_counter()
         first_logits, taps = _prefill(target, prompts, cfg.target_layer_ids)
         first = (_sample(probs_from_logits(first_logits, temperature, top_p, top_k), generator)
-                 if sampling else first_logits.argmax(-1)).tolist()
+                 if sampling else first_logits.argmax(-1))
         reqs = torch.cat([torch.full((len(p),), r, device=dev) for r, p in enumerate(prompts)])
         pos = torch.cat([torch.arange(len(p), device=dev) for p in prompts])
         drafter.add_context(taps, reqs, pos)
         _sync(dev)
         stats.seconds["prefill"] += time.perf_counter() - t0
-        out = [[t] for t in first]
-        done = [t in stop or max_new_tokens <= 1 for t in first]
-        start = [len(p) for p in prompts]  # position of each request's last committed token
+        # device state: the token buffer and per-request counters; the host reads only the
+        # done flags and committed counts, once an iteration
+        width = max_new_tokens + bsz + 1
+        out_tokens = torch.zeros(n, width, dtype=torch.long, device=dev)
+        out_tokens[:, 0] = first
+        n_out = torch.ones(n, dtype=torch.long, device=dev)
+        last = first.clone()
+        start_t = torch.tensor([len(p) for p in prompts], device=dev)  # position of `last`
+        stop_t = torch.tensor(sorted(stop), dtype=torch.long, device=dev)
+        done = [t in stop or max_new_tokens <= 1 for t in first.tolist()]
+        committed = n
+        j_b = torch.arange(bsz, device=dev)
         while not all(done):
             act = [r for r in range(n) if not done[r]]
             ra = torch.tensor(act, device=dev)
-            st = torch.tensor([start[r] for r in act], device=dev)
+            st = start_t[ra]
             block = torch.full((len(act), bsz), cfg.mask_token_id, dtype=torch.long, device=dev)
-            block[:, 0] = torch.tensor([out[r][-1] for r in act], device=dev)
+            block[:, 0] = last[ra]
             t0 = time.perf_counter()
             drafts, dlogits = drafter.propose(block, ra, st)
             if sampling:
@@ -202,33 +206,30 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
             else:
                 post = logits.argmax(-1)
                 match = (block[:, 1:] == post[:, :-1]).int().cumprod(1).sum(1)
-            match, post_l, block_l = match.tolist(), post.tolist(), block.tolist()
-            rows_r, rows_p, rows_t = [], [], []
-            for i, r in enumerate(act):
-                acc = match[i]
-                new = block_l[i][1:acc + 1] + [post_l[i][acc]]
-                kept, fin = _cut(new, max_new_tokens - len(out[r]), stop)
-                out[r].extend(kept)
-                done[r] = fin
-                stats.acceptance.append(len(kept))
-                # committed block rows 0..len(kept)-1 (last token + accepted drafts) -> context
-                for j in range(len(kept)):
-                    rows_r.append(r)
-                    rows_p.append(start[r] + j)
-                    rows_t.append(i * bsz + j)
-                start[r] += len(kept)
-            if rows_t:
-                drafter.add_context(taps[torch.tensor(rows_t, device=dev)],
-                                    torch.tensor(rows_r, device=dev),
-                                    torch.tensor(rows_p, device=dev))
-            _sync(dev)
+            kept, fin, new_last = commit_block(block, post, match, n_out[ra], max_new_tokens,
+                                               stop_t, out_tokens, ra)
+            n_out[ra] += kept
+            last[ra] = new_last
+            # the committed block rows 0..kept-1 (last token + accepted drafts) -> context
+            ctx_pos = torch.where(j_b[None, :] < kept[:, None], st[:, None] + j_b[None, :],
+                                  torch.full_like(block, -1))
+            drafter.add_context(taps, ra[:, None].expand(-1, bsz).reshape(-1),
+                                ctx_pos.reshape(-1))
+            start_t[ra] = st + kept
+            flags = torch.stack([fin.long(), kept]).tolist()  # the iteration's one sync
             t3 = time.perf_counter()
+            for i, r in enumerate(act):
+                done[r] = bool(flags[0][i])
+            stats.acceptance.extend(flags[1])
+            committed += sum(flags[1])
             stats.seconds["draft"] += t1 - t0
             stats.seconds["verify"] += t2 - t1
             stats.seconds["accept"] += t3 - t2
             stats.iterations += 1
             if on_iteration is not None:
-                on_iteration(sum(len(o) for o in out))
+                on_iteration(committed)
+        counts = n_out.tolist()
+        out = [out_tokens[r, :counts[r]].tolist() for r in range(n)]
         stats.committed = sum(len(o) for o in out)
         return out, stats
     finally:

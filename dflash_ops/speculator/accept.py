@@ -1,0 +1,40 @@
+"""Committing a verified block on the device: no host round trip per request.
+
+``commit_block`` turns (block, the target's tokens, accepted-draft counts) into each request's
+committed tokens, cut at max_new_tokens and at the first stop token, written into a token
+buffer, plus the bookkeeping the next iteration needs (committed count, the new last token,
+done flags). All torch ops on the block's device, shapes fixed by [R, B]: nothing synchronises
+and the whole step can sit in a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def commit_block(block: torch.Tensor, post: torch.Tensor, match: torch.Tensor,
+                 n_out: torch.Tensor, max_new: int, stop_ids: torch.Tensor,
+                 out_tokens: torch.Tensor, rows: torch.Tensor):
+    """block [R, B]: [last token, drafts]; post [R, B]: post[r, match[r]] is the token the
+    target gives after the accepted drafts (greedy: its argmax; sampling: the bonus or the
+    residual draw); match [R]: accepted drafts; n_out [R]: tokens each request has; out_tokens
+    [N, W] (W >= max_new + B) the token buffer, rows [R] its row per request.
+
+    New tokens of request r: block[r, 1:match+1] then post[r, match], cut to max_new - n_out
+    and after the first stop token. Writes them at out_tokens[rows[r], n_out[r]:] (columns past
+    the committed count get garbage that later commits overwrite). Returns (kept [R], done [R],
+    last [R]): committed count, finished flag, the last committed token."""
+    r, b = block.shape
+    j = torch.arange(b, device=block.device)[None, :]
+    match = match.long()[:, None]
+    shifted = torch.cat([block[:, 1:], block[:, :1]], 1)  # drafts at j < B-1 (col B-1 unused)
+    new = torch.where(j == match, post.gather(1, match), shifted)
+    valid = j <= match
+    room = (max_new - n_out.long())[:, None]
+    is_stop = torch.isin(new, stop_ids) & valid if stop_ids.numel() else torch.zeros_like(valid)
+    first_stop = torch.where(is_stop, j, torch.full_like(j, b)).amin(1, keepdim=True)
+    kept = torch.minimum(torch.minimum(match + 1, room), first_stop + 1).clamp_min(0)
+    done = (kept >= room) | (first_stop < kept)
+    cols = (n_out.long()[:, None] + j).clamp(max=out_tokens.shape[1] - 1)
+    out_tokens[rows.long()[:, None], cols] = new
+    last = new.gather(1, (kept - 1).clamp_min(0))
+    return kept[:, 0], done[:, 0], last[:, 0]
