@@ -88,3 +88,68 @@ def test_graph_replay_equals_eager():
         torch.cuda.synchronize()
         scale = want_z.abs().max().item()
         assert (got_z[:n_req] - want_z).abs().max().item() <= 0.02 * scale, f"step {step}"
+
+
+def test_padded_verify_equals_direct_forward():
+    from dflash_ops.models.verify_step import VerifyStep
+    t_direct, _ = _pair(4, seed=31)
+    t_padded, _ = _pair(4, seed=31)
+    for t in (t_direct, t_padded):
+        for r in range(3):
+            t.add_request(r, 40)
+    runner = VerifyStep(t_padded, max_batch=4, block_size=4, tap_layers=[1, 2],
+                        scratch_request=3)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 90, (n,), generator=gen) for n in (5, 3, 7)]
+    for t in (t_direct, t_padded):  # the same prefill in both
+        t.forward(torch.cat(prompts), [0, 1, 2], [0, 0, 0], [5, 3, 7])
+    start = torch.tensor([5, 3, 7])
+    for _ in range(3):
+        ids = torch.randint(0, 90, (3, 4), generator=gen)
+        want_z, want_taps = t_direct.forward(ids.reshape(-1), [0, 1, 2], start, [4, 4, 4],
+                                             [1, 2])
+        bucket = runner.load(ids, torch.arange(3), start)
+        z, post, taps = runner.run(bucket)
+        torch.testing.assert_close(z[:3].reshape(12, -1), want_z, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(taps[:12], want_taps, atol=1e-5, rtol=1e-5)
+        assert torch.equal(post[:3].reshape(-1), want_z.argmax(-1))
+        start = start + torch.tensor([1, 4, 2])  # accepted + 1 per request
+
+
+@pytest.mark.gpu
+def test_verify_graph_replay_equals_eager():
+    from dflash_ops.models.target import Target
+    from dflash_ops.models.verify_step import VerifyStep
+    cpu_target, _ = _pair(4, seed=31)
+
+    def build():
+        t = Target(cpu_target.cfg, {k: v for k, v in _target_state(cpu_target).items()},
+                   dtype=torch.bfloat16, device="cuda", num_blocks=64, block_size=4,
+                   max_requests=4, max_len=128)
+        for r in range(3):
+            t.add_request(r, 40)
+        return t
+
+    eager, graphed = build(), build()
+    runner = VerifyStep(graphed, max_batch=4, block_size=4, tap_layers=[1, 2],
+                        scratch_request=3)
+    gen = torch.Generator().manual_seed(3)
+    start = torch.tensor([0, 0, 0], device="cuda")
+    captured = False
+    for step in range(4):
+        ids = torch.randint(0, 90, (3, 4), generator=gen).cuda()
+        want_z, want_taps = eager.forward(ids.reshape(-1), [0, 1, 2], start, [4, 4, 4], [1, 2])
+        bucket = runner.load(ids, torch.arange(3, device="cuda"), start)
+        if not captured:
+            runner.capture(bucket)
+            captured = True
+        z, post, taps = runner.run(bucket)
+        torch.cuda.synchronize()
+        scale = want_z.abs().max().item()
+        assert (z[:3].reshape(12, -1) - want_z).abs().max().item() <= 0.02 * scale, f"step {step}"
+        start = start + torch.tensor([1, 4, 2], device="cuda")
+
+
+def _target_state(t):
+    from dflash_ops.models.target import random_state
+    return random_state(t.cfg, seed=31)

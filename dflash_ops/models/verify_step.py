@@ -1,0 +1,78 @@
+"""The target's verify step with static buffers, replayable as a CUDA graph per padded batch size
+(the counterpart of ``draft_step.DraftStep``).
+
+A step = the target forward of up to ``max_batch`` blocks of B tokens (causal, paged KV) + the
+greedy tokens per row + the tap hidden states the drafter needs. Inputs are copied into static
+buffers (``load``); padded requests run as a scratch request slot at positions [0, B) whose
+cache blocks nobody reads. Outputs (static, overwritten by each run): ``logits`` [bucket, B, V],
+``post`` [bucket, B] (argmax per row) and ``taps`` [bucket * B, n_taps * H].
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence
+
+import torch
+
+from .. import dispatch
+
+
+class VerifyStep:
+    def __init__(self, target, max_batch: int, block_size: int, tap_layers: Sequence[int],
+                 scratch_request: int):
+        dev = target.device
+        self.target, self.max_batch, self.b = target, max_batch, block_size
+        self.tap_layers = list(tap_layers)
+        self.scratch = scratch_request
+        target.add_request(scratch_request, block_size)
+        self.ids = torch.zeros(max_batch, block_size, dtype=torch.long, device=dev)
+        self.requests = torch.full((max_batch,), scratch_request, dtype=torch.long, device=dev)
+        self.start = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        self.q_lens = torch.full((max_batch,), block_size, dtype=torch.long, device=dev)
+        self._graphs: Dict[int, torch.cuda.CUDAGraph] = {}
+        self._outs: Dict[int, tuple] = {}
+
+    def bucket(self, n: int) -> int:
+        if not 0 < n <= self.max_batch:
+            raise ValueError(f"VerifyStep: batch {n} outside [1, {self.max_batch}]")
+        return min(self.max_batch, 1 << (n - 1).bit_length())
+
+    def load(self, ids: torch.Tensor, requests: torch.Tensor, start: torch.Tensor) -> int:
+        r = ids.shape[0]
+        if ids.shape[1] != self.b:
+            raise ValueError(f"VerifyStep.load: ids must be [R, {self.b}], got {list(ids.shape)}")
+        bucket = self.bucket(r)
+        self.ids[:r].copy_(ids)
+        self.requests[:r].copy_(requests)
+        self.start[:r].copy_(start)
+        self.ids[r:bucket].zero_()
+        self.requests[r:bucket].fill_(self.scratch)
+        self.start[r:bucket].zero_()
+        return bucket
+
+    def _step(self, bucket: int) -> tuple:
+        logits, taps = self.target.forward(self.ids[:bucket].reshape(-1),
+                                           self.requests[:bucket], self.start[:bucket],
+                                           self.q_lens[:bucket], self.tap_layers)
+        logits = logits.view(bucket, self.b, -1)
+        return logits, logits.argmax(-1), taps
+
+    def run(self, bucket: int) -> tuple:
+        """(logits [bucket, B, V], post [bucket, B], taps); replays the graph if captured."""
+        g: Optional[torch.cuda.CUDAGraph] = self._graphs.get(bucket)
+        if g is None:
+            return self._step(bucket)
+        g.replay()
+        return self._outs[bucket]
+
+    def capture(self, bucket: int) -> None:
+        """Record the step for ``bucket`` (the warm-up runs it once on the loaded inputs)."""
+        with dispatch.graph_backends():
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._step(bucket)
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = self._step(bucket)
+        self._graphs[bucket], self._outs[bucket] = g, out
