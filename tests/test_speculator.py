@@ -55,6 +55,14 @@ def test_speculative_equals_plain_greedy(block_size, batch):
     assert stats.committed == 13 * batch
 
 
+def test_untimed_loop_gives_the_same_tokens():
+    target, drafter = _pair(4, seed=4)
+    prompts = _prompts(3, seed=6)
+    want = plain_greedy(target, prompts, 11)
+    got, stats = speculative_generate(target, drafter, prompts, 11, time_stages=False)
+    assert got == want and stats.seconds["draft"] >= 0
+
+
 def test_stop_tokens_mid_block():
     target, drafter = _pair(4, seed=3)
     prompts = _prompts(4, seed=5)

@@ -123,11 +123,14 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
                        stop_token_ids: Sequence[int] = (), block_size: Optional[int] = None,
                        on_iteration: Optional[Callable[[int], None]] = None,
                        temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                       generator: Optional[torch.Generator] = None):
+                       generator: Optional[torch.Generator] = None, time_stages: bool = True):
     """(new tokens per prompt, Stats): DFlash decoding. Greedy (temperature 0) equals
     ``plain_greedy``; with temperature > 0 the output follows the target's sampling
     distribution (speculative rejection sampling). ``generator``: a torch.Generator on the
-    target's device for the random draws."""
+    target's device for the random draws. ``time_stages``: synchronise after each stage to
+    time it (Stats.seconds); off, the loop's only device-to-host read is the done flags and
+    committed counts once an iteration (and the active index list is uploaded only when a
+    request finishes)."""
     sampling = temperature > 0
     if sampling:
         probs_from_logits(torch.zeros(1), temperature, top_p, top_k)  # validates the arguments
@@ -168,9 +171,12 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
         done = [t in stop or max_new_tokens <= 1 for t in first.tolist()]
         committed = n
         j_b = torch.arange(bsz, device=dev)
+        sync = (lambda: _sync(dev)) if time_stages else (lambda: None)
+        act, ra = None, None
         while not all(done):
-            act = [r for r in range(n) if not done[r]]
-            ra = torch.tensor(act, device=dev)
+            now = [r for r in range(n) if not done[r]]
+            if now != act:
+                act, ra = now, torch.tensor(now, device=dev)
             st = start_t[ra]
             block = torch.full((len(act), bsz), cfg.mask_token_id, dtype=torch.long, device=dev)
             block[:, 0] = last[ra]
@@ -180,13 +186,13 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
                 q = probs_from_logits(dlogits, temperature, top_p, top_k)  # [R, B-1, V]
                 drafts = _sample(q, generator)
             block[:, 1:] = drafts
-            _sync(dev)
+            sync()
             t1 = time.perf_counter()
             logits, taps = target.forward(block.reshape(-1), ra, st,
                                           torch.full((len(act),), bsz, device=dev),
                                           cfg.target_layer_ids)
             logits = logits.view(len(act), bsz, -1)
-            _sync(dev)
+            sync()
             t2 = time.perf_counter()
             if sampling:
                 p = probs_from_logits(logits, temperature, top_p, top_k)  # [R, B, V]
