@@ -887,57 +887,15 @@ __global__ void __launch_bounds__(32 * kCombineRows)
 // Host side: argument checks in the words of dflash_ops/ops/attention.py (_check_attn) and
 // _checks.py, then the launch.
 
-bool is_float(at::ScalarType t) {
-  return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat;
-}
-
-// Python's repr of a float, near enough: the shortest round-tripping %g, and "0.0" not "0".
-std::string py_float(double v) {
-  std::string s;
-  for (int prec = 1; prec <= 17; ++prec) {
-    std::ostringstream o;
-    o.precision(prec);
-    o << v;
-    s = o.str();
-    if (std::strtod(s.c_str(), nullptr) == v) break;
-  }
-  if (s.find_first_of(".eni") == std::string::npos) s += ".0";
-  return s;
-}
-
-void check_rank(const char* op, const char* name, const at::Tensor& t, int64_t rank) {
-  TORCH_CHECK_VALUE(t.dim() == rank, "dflash.", op, ": ", name, " must have rank ", rank,
-                    ", got rank ", t.dim(), " (shape ", py_tuple(t.sizes()), ")");
-}
-
 void check_dtype(const char* op, const char* name, const at::Tensor& t, at::ScalarType want) {
   TORCH_CHECK_VALUE(t.scalar_type() == want, "dflash.", op, ": ", name, " must be ",
                     dtype_name(want), ", got ", dtype_name(t.scalar_type()));
-}
-
-void check_device(const char* op, const char* name, const at::Tensor& t,
-                  const at::Device& device) {
-  TORCH_CHECK_VALUE(t.device() == device, "dflash.", op, ": ", name, " must be on ", device,
-                    ", got ", t.device());
-}
-
-void check_shape(const char* op, const char* name, const at::Tensor& t,
-                 c10::IntArrayRef shape) {
-  TORCH_CHECK_VALUE(t.sizes() == shape, "dflash.", op, ": ", name, " must have shape ",
-                    py_list(shape), ", got ", py_list(t.sizes()));
 }
 
 void check_last_dim(const char* op, const char* name, const at::Tensor& t) {
   TORCH_CHECK_VALUE(last_dim_ok(t), "dflash.", op, ": ", name,
                     " must have unit stride in its last dimension, got strides ",
                     py_tuple(t.strides()));
-}
-
-void check_same_dtype(const char* op, const char* name, const at::Tensor& t,
-                      const char* ref_name, const at::Tensor& ref) {
-  TORCH_CHECK_VALUE(t.scalar_type() == ref.scalar_type(), "dflash.", op, ": ", name,
-                    " must have the dtype of ", ref_name, " (", dtype_name(ref.scalar_type()),
-                    "), got ", dtype_name(t.scalar_type()));
 }
 
 // attention.py _check_attn, in its order; then the C++ limits.
@@ -1027,7 +985,6 @@ int choose_splits(int64_t bh, int64_t max_keys, int64_t rows, int64_t d, int sms
   return static_cast<int>(std::max<int64_t>(s, 1));
 }
 
-bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 // Base on 16 bytes and the strides of the listed dims (those of size > 1) in whole 16 bytes.
 bool rows_aligned(const at::Tensor& t, std::initializer_list<int> dims) {

@@ -11,7 +11,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <c10/util/Exception.h>
 #include <cstddef>
+#include <cstdlib>
 #include <cstdint>
 #include <sstream>
 #include <string>
@@ -155,6 +157,51 @@ inline std::string py_list(c10::IntArrayRef v) {
   for (size_t i = 0; i < v.size(); ++i) s << (i ? ", " : "") << v[i];
   s << "]";
   return s.str();
+}
+
+inline bool is_float(at::ScalarType t) {
+  return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat;
+}
+
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Python's repr of a float, near enough: the shortest round-tripping %g, and "-1.0" not "-1".
+inline std::string py_float(double v) {
+  std::string s;
+  for (int prec = 1; prec <= 17; ++prec) {
+    std::ostringstream o;
+    o.precision(prec);
+    o << v;
+    s = o.str();
+    if (std::strtod(s.c_str(), nullptr) == v) break;
+  }
+  if (s.find_first_of(".eni") == std::string::npos) s += ".0";
+  return s;
+}
+
+inline void check_rank(const char* op, const std::string& name, const at::Tensor& t,
+                       int64_t rank) {
+  TORCH_CHECK_VALUE(t.dim() == rank, "dflash.", op, ": ", name, " must have rank ", rank,
+                    ", got rank ", t.dim(), " (shape ", py_tuple(t.sizes()), ")");
+}
+
+inline void check_device(const char* op, const std::string& name, const at::Tensor& t,
+                         const at::Device& device) {
+  TORCH_CHECK_VALUE(t.device() == device, "dflash.", op, ": ", name, " must be on ", device,
+                    ", got ", t.device());
+}
+
+inline void check_shape(const char* op, const std::string& name, const at::Tensor& t,
+                        c10::IntArrayRef shape) {
+  TORCH_CHECK_VALUE(t.sizes() == shape, "dflash.", op, ": ", name, " must have shape ",
+                    py_list(shape), ", got ", py_list(t.sizes()));
+}
+
+inline void check_same_dtype(const char* op, const std::string& name, const at::Tensor& t,
+                             const char* ref_name, const at::Tensor& ref) {
+  TORCH_CHECK_VALUE(t.scalar_type() == ref.scalar_type(), "dflash.", op, ": ", name,
+                    " must have the dtype of ", ref_name, " (", dtype_name(ref.scalar_type()),
+                    "), got ", dtype_name(t.scalar_type()));
 }
 
 inline bool last_dim_ok(const at::Tensor& t) {  // as the Python checks: unit stride unless D <= 1

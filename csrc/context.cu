@@ -144,48 +144,6 @@ __global__ void __launch_bounds__(kBlock, V > 1 ? 5 : 1)
 
 constexpr int kMaxLayers = 64;
 
-bool is_float(at::ScalarType t) {
-  return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat;
-}
-
-// Python's repr of a float, near enough: the shortest round-tripping %g, and "-1.0" not "-1".
-std::string py_float(double v) {
-  std::string s;
-  for (int prec = 1; prec <= 17; ++prec) {
-    std::ostringstream o;
-    o.precision(prec);
-    o << v;
-    s = o.str();
-    if (std::strtod(s.c_str(), nullptr) == v) break;
-  }
-  if (s.find_first_of(".eni") == std::string::npos) s += ".0";
-  return s;
-}
-
-void check_rank(const char* op, const std::string& name, const at::Tensor& t, int64_t rank) {
-  TORCH_CHECK_VALUE(t.dim() == rank, "dflash.", op, ": ", name, " must have rank ", rank,
-                    ", got rank ", t.dim(), " (shape ", py_tuple(t.sizes()), ")");
-}
-
-void check_device(const char* op, const std::string& name, const at::Tensor& t,
-                  const at::Device& device) {
-  TORCH_CHECK_VALUE(t.device() == device, "dflash.", op, ": ", name, " must be on ", device,
-                    ", got ", t.device());
-}
-
-void check_same_dtype(const char* op, const std::string& name, const at::Tensor& t,
-                      const char* ref_name, const at::Tensor& ref) {
-  TORCH_CHECK_VALUE(t.scalar_type() == ref.scalar_type(), "dflash.", op, ": ", name,
-                    " must have the dtype of ", ref_name, " (", dtype_name(ref.scalar_type()),
-                    "), got ", dtype_name(t.scalar_type()));
-}
-
-void check_shape(const char* op, const std::string& name, const at::Tensor& t,
-                 c10::IntArrayRef shape) {
-  TORCH_CHECK_VALUE(t.sizes() == shape, "dflash.", op, ": ", name, " must have shape ",
-                    py_list(shape), ", got ", py_list(t.sizes()));
-}
-
 // _checks.index_vector: [n] int64 on device.
 void check_index_vector(const char* op, const char* name, const at::Tensor& t, int64_t n,
                         const at::Device& device) {
@@ -311,7 +269,6 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& w_kv,
   return bias.has_value() ? at::addmm(*bias, x, w_kv.t()) : at::mm(x, w_kv.t());
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 template <class E, int V, int NU, int MAXL>
 void launch(const ContextParams<MAXL>& p, bool neox, int tpr_log2, dim3 grid,

@@ -165,13 +165,6 @@ void check_tensor(const char* op, const std::string& name, const at::Tensor& t, 
   }
 }
 
-void check_same_dtype(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
-                      const at::Tensor& ref) {
-  TORCH_CHECK_VALUE(t.scalar_type() == ref.scalar_type(), "dflash.", op, ": ", name,
-                    " must have the dtype of ", ref_name, " (", dtype_name(ref.scalar_type()),
-                    "), got ", dtype_name(t.scalar_type()));
-}
-
 // _check_heads: x[T, ..., D] float, unit stride in D, D a supported head_dim.
 void check_heads(const char* op, const char* name, const at::Tensor& x, int64_t rank,
                  const at::Device* device) {
@@ -179,20 +172,6 @@ void check_heads(const char* op, const char* name, const at::Tensor& x, int64_t 
   const int64_t d = x.size(-1);
   TORCH_CHECK_VALUE(d == 16 || d == 32 || d == 64 || d == 128 || d == 256, "dflash.", op, ": ",
                     name, " head_dim must be one of [16, 32, 64, 128, 256], got ", d);
-}
-
-// Python's repr of a float, near enough: the shortest round-tripping %g, and "-1.0" not "-1".
-std::string py_float(double v) {
-  std::string s;
-  for (int prec = 1; prec <= 17; ++prec) {
-    std::ostringstream o;
-    o.precision(prec);
-    o << v;
-    s = o.str();
-    if (std::strtod(s.c_str(), nullptr) == v) break;
-  }
-  if (s.find_first_of(".eni") == std::string::npos) s += ".0";
-  return s;
 }
 
 void check_eps(const char* op, double eps) {
@@ -215,7 +194,6 @@ void check_positions(const char* op, const at::Tensor& positions,
                     "head_dim (", d, "), got R = ", r);
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // One head set's description for the launcher.
 struct SetArg {
