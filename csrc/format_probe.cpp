@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -21,9 +22,17 @@ void raise_in_cpp(int64_t which) {
     default: TORCH_CHECK_VALUE(false, "dflash_probe.cpp: device ", c10::Device("cuda:0"));
   }
 }
+std::string fmt_in_cpp(int64_t which) {
+  if (which == 0) return c10::str("int64 ", int64_t(42));
+  if (which == 1) return c10::str("double ", 1.5);
+  std::ostringstream os;
+  os << "ostringstream " << int64_t(42);
+  return os.str();
+}
 }  // namespace dflash_probe
 
 TORCH_LIBRARY(dflash_probe, m) {
   m.def("raise_cu(int which) -> ()", &dflash_probe::raise_in_cu);
   m.def("raise_cpp(int which) -> ()", &dflash_probe::raise_in_cpp);
+  m.def("fmt_cpp(int which) -> str", &dflash_probe::fmt_in_cpp);
 }

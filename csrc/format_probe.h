@@ -7,8 +7,12 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace dflash_probe {
 void raise_in_cu(int64_t which);
 void raise_in_cpp(int64_t which);
+// Formats without throwing: which 0: int64 via c10::str, 1: double via c10::str, 2: int64 via
+// std::ostringstream. Registered as torch.ops.dflash_probe.fmt_cpp.
+std::string fmt_in_cpp(int64_t which);
 }  // namespace dflash_probe

@@ -28,6 +28,36 @@ try:
 except Exception as e:
     print("raised", type(e).__name__, str(e).splitlines()[0][:100])
 '''
+DIAG = r"""
+import torch, dflash_ops, dflash_ops._C as C, subprocess
+print("torch", torch.__version__, "cxx11abi", torch._C._GLIBCXX_USE_CXX11_ABI, "ext", C.__file__)
+print("libstdc++ in process:", sorted({l.split()[-1] for l in open("/proc/self/maps") if "libstdc++" in l or "libgcc_s" in l}))
+for lib in (C.__file__, torch._C.__file__):
+    out = subprocess.run(["ldd", lib], capture_output=True, text=True).stdout
+    print(lib.split("/")[-1], [l.strip() for l in out.splitlines() if "stdc++" in l or "gcc_s" in l])
+try:
+    torch.zeros(2) + torch.zeros(3)
+except Exception as e:
+    print("torch's own number message:", str(e).splitlines()[0][:120])
+"""
+p = subprocess.run([sys.executable, "-c", DIAG], capture_output=True, text=True, timeout=120)
+print(p.stdout, p.stderr[-2000:], "rc", p.returncode, flush=True)
+for tool in (["g++", "--version"], ["c++", "--version"], ["nvcc", "--version"]):
+    try:
+        print(" ".join(tool), "->", subprocess.run(tool, capture_output=True, text=True).stdout.strip().splitlines()[:1])
+    except FileNotFoundError:
+        print(tool[0], "not found")
+import shutil
+if shutil.which("gdb"):  # one backtrace of the int64 case
+    p = subprocess.run(["gdb", "-batch", "-ex", "run", "-ex", "bt 25", "--args", sys.executable, "-c",
+                        FORMAT, "raise_cpp", "2"], capture_output=True, text=True, timeout=300)
+    print("gdb:", "\n".join(p.stdout.splitlines()[-40:]), flush=True)
+else:
+    print("no gdb", flush=True)
+for k in range(3):
+    p = subprocess.run([sys.executable, "-c", "import torch, dflash_ops, sys; print(torch.ops.dflash_probe.fmt_cpp(int(sys.argv[1])))", str(k)],
+                       capture_output=True, text=True, timeout=120)
+    print(f"format probe fmt_cpp {k} ->", p.stdout.strip() if p.returncode == 0 else f"CRASH rc={p.returncode}", flush=True)
 for f in ("raise_cu", "raise_cpp"):
     for k, what in enumerate(("text", "std::string", "int64", "double", "IntArrayRef", "Device")):
         p = subprocess.run([sys.executable, "-c", FORMAT, f, str(k)], capture_output=True,
