@@ -1,7 +1,7 @@
 """Runs every bad-input case on CUDA with the cuda backend forced, one subprocess each (a
 segfault kills only its own case); prints one line per case: raised / NO RAISE / CRASH.
 
-First, the format probe (csrc/format_probe.*): one TORCH_CHECK_VALUE per kind of message value
+First, the format probe (csrc/format_probe.cpp, format_probe_nvcc.cu): one TORCH_CHECK_VALUE per kind of message value
 (text, std::string, int64, double, IntArrayRef, Device), thrown from nvcc-compiled and from
 host-compiled code, to name what crashes (found on the H200, 2026-11-29)."""
 import subprocess, sys, concurrent.futures as cf

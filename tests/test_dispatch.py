@@ -437,3 +437,28 @@ def test_graph_backends_applies_graph_table_to_cuda_only():
             assert dflash_ops.backend_for("rms_norm", "cuda") == "torch"
     assert torch.equal(y, dflash_ops.ops.rms_norm_ref(x, w, 1e-6))
     assert {op: dflash_ops.backend_for(op, "cuda") for op in dispatch.ops()} == before
+
+
+@pytest.mark.gpu
+def test_cuda_extension_loaded_on_a_gpu_machine_with_nvcc():
+    """The CUDA tests run only the backends present: a broken build must not turn them into a
+    silent Triton/torch-only pass (seen on the H200, 2026-11-29: two csrc files with one object
+    name broke the build and 321 GPU tests still passed)."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    from dflash_ops import _ext
+
+    if CUDA_HOME is None or os.environ.get("DFLASH_OPS_NO_CUDA") == "1":
+        pytest.skip("no CUDA toolkit here (or DFLASH_OPS_NO_CUDA=1): the extension is optional")
+    status = _ext.load()
+    assert status["how"] in ("built", "jit"), f"dflash_ops._C not loaded: {status['detail']}"
+
+
+def test_csrc_object_names_are_unique():
+    """setup.py/JIT build one object per source, named by its stem: foo.cpp and foo.cu collide."""
+    from dflash_ops import _ext
+
+    stems = [p.stem for p in _ext.csrc_dir().glob("*") if p.suffix in (".cu", ".cpp")]
+    assert stems, "no csrc sources found"
+    dup = sorted({s for s in stems if stems.count(s) > 1})
+    assert not dup, f"csrc sources sharing an object name: {dup}"
