@@ -6,6 +6,10 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <execinfo.h>
+#include <signal.h>
+#include <unistd.h>
+
 #include <sstream>
 #include <string>
 #include <vector>
@@ -29,10 +33,28 @@ std::string fmt_in_cpp(int64_t which) {
   os << "ostringstream " << int64_t(42);
   return os.str();
 }
+namespace {
+void on_segv(int sig) {
+  void* frames[48];
+  const int n = backtrace(frames, 48);
+  const char head[] = "dflash_probe: SIGSEGV, backtrace:\n";
+  (void)!write(2, head, sizeof(head) - 1);
+  backtrace_symbols_fd(frames, n, 2);
+  _exit(128 + sig);
+}
+}  // namespace
+
+void trace_segv() {
+  struct sigaction sa {};
+  sa.sa_handler = on_segv;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGSEGV, &sa, nullptr);
+}
 }  // namespace dflash_probe
 
 TORCH_LIBRARY(dflash_probe, m) {
   m.def("raise_cu(int which) -> ()", &dflash_probe::raise_in_cu);
   m.def("raise_cpp(int which) -> ()", &dflash_probe::raise_in_cpp);
   m.def("fmt_cpp(int which) -> str", &dflash_probe::fmt_in_cpp);
+  m.def("trace_segv() -> ()", &dflash_probe::trace_segv);
 }

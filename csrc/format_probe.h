@@ -15,4 +15,6 @@ void raise_in_cpp(int64_t which);
 // Formats without throwing: which 0: int64 via c10::str, 1: double via c10::str, 2: int64 via
 // std::ostringstream. Registered as torch.ops.dflash_probe.fmt_cpp.
 std::string fmt_in_cpp(int64_t which);
+// Installs a SIGSEGV handler that prints a backtrace (execinfo) to stderr and exits 139.
+void trace_segv();
 }  // namespace dflash_probe

@@ -53,6 +53,14 @@ def test_triton_grid(dtype):
     interp.check_block_attention(DEV, dtypes=(dtype,), splits_list=(1, 4, None))
 
 
+@pytest.mark.parametrize("dtype", [BF16, FP16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_cuda_grid(dtype):
+    """The interpreter grid through the CUDA kernel (its own split choice, run once per mode and
+    shape; splits_list only repeats the case with a fresh seed)."""
+    _need("cuda")
+    interp.check_block_attention(DEV, dtypes=(dtype,), splits_list=(1, 2), backend="cuda")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", ["noncausal", "causal", "window"])
 def test_head_dim_256(backend, mode):

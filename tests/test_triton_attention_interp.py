@@ -30,8 +30,10 @@ def _poisoned_like(q):
     return torch.full_like(q, float("nan"))
 
 
-def run_case(device, dtype, bs, ratio, d, mode, splits, gen_seed, hkv=2, extra_rows=0):
-    from dflash_ops.triton import attention as ta
+def run_case(device, dtype, bs, ratio, d, mode, splits, gen_seed, hkv=2, extra_rows=0,
+             backend="triton"):
+    """backend "triton" calls the Triton kernel with ``splits``; another name goes through the
+    dispatcher with that backend forced (its own split choice; ``splits`` is ignored)."""
     torch.manual_seed(gen_seed)
     causal, window, use_sinks = ATTN_MODES[mode]
     q_lens = [1] + [int(torch.randint(1, 9, ()).item()) for _ in SEQ_LENS[1:]]
@@ -44,9 +46,15 @@ def run_case(device, dtype, bs, ratio, d, mode, splits, gen_seed, hkv=2, extra_r
     truth = dense_attention(*args, cd=F64)
     dev_args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
     out = _poisoned_like(dev_args[0])
-    ta.block_attention_out_(*dev_args, out=out, splits=splits)
+    if backend == "triton":
+        from dflash_ops.triton import attention as ta
+        ta.block_attention_out_(*dev_args, out=out, splits=splits)
+    else:
+        import dflash_ops
+        with dflash_ops.use_backend(backend, ops=["block_attention_out_"]):
+            dflash_ops.block_attention(*dev_args, out=out)
     out = out.cpu()
-    what = f"block_attention {mode} {dtype} bs={bs} gqa={ratio} D={d} splits={splits}"
+    what = f"block_attention[{backend}] {mode} {dtype} bs={bs} gqa={ratio} D={d} splits={splits}"
     assert not torch.isnan(out).any(), f"{what}: NaN (a row was not written)"
     if extra_rows:
         assert torch.equal(out[-extra_rows:], torch.zeros_like(out[-extra_rows:])), \
@@ -60,7 +68,7 @@ def run_case(device, dtype, bs, ratio, d, mode, splits, gen_seed, hkv=2, extra_r
 
 
 def check_block_attention(device, dtypes=INTERP_DTYPES, splits_list=(1, 3, None),
-                          shapes=((4, 1, 64), (16, 4, 64), (4, 8, 128))):
+                          shapes=((4, 1, 64), (16, 4, 64), (4, 8, 128)), backend="triton"):
     seed = 0
     for dtype in dtypes:
         for bs, ratio, d in shapes:
@@ -68,7 +76,7 @@ def check_block_attention(device, dtypes=INTERP_DTYPES, splits_list=(1, 3, None)
                 for splits in splits_list:
                     seed += 1
                     run_case(device, dtype, bs, ratio, d, mode, splits, seed,
-                             extra_rows=2 if seed % 3 == 0 else 0)
+                             extra_rows=2 if seed % 3 == 0 else 0, backend=backend)
 
 
 _SCRIPT = r"""
