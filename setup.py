@@ -23,6 +23,13 @@ def _want_cuda() -> bool:
     return torch.version.cuda is not None and CUDA_HOME is not None
 
 
+# The shared libstdc++, always. The H200 image's Python links extensions with -static-libstdc++
+# (found 2026-11-29): _C then carried its own copy of the iostream/locale code whose classic
+# locale was never set up, and every ostream << number (each TORCH_CHECK message with a number)
+# segfaulted. An explicit -lstdc++ after our objects, under -Bdynamic, binds them to
+# libstdc++.so.6 before the driver appends the static archive.
+DYNAMIC_LIBSTDCXX = ["-Wl,-Bdynamic", "-lstdc++"]
+
 if _want_cuda():
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
@@ -36,7 +43,8 @@ if _want_cuda():
         name="dflash_ops._C", sources=sources,
         include_dirs=[os.path.join(here, "csrc")],
         extra_compile_args={"cxx": ["-O3", "-std=c++20"], "nvcc": nvcc},
-        define_macros=[("DFLASH_OPS_PYTHON_MODULE", "1")]))
+        define_macros=[("DFLASH_OPS_PYTHON_MODULE", "1")],
+        extra_link_args=DYNAMIC_LIBSTDCXX))
     cmdclass["build_ext"] = BuildExtension.with_options(use_ninja=True)
 
 setup(ext_modules=ext_modules, cmdclass=cmdclass)

@@ -2,6 +2,9 @@
 # Diagnostics for the H200 crash (numbers streamed into an ostream inside dflash_ops._C segfault).
 # Run after gpu_check.sh has built the extension. Output to stdout.
 SO=$(ls dflash_ops/_C*.so)
+echo "== link flags"
+python3 -c "import sysconfig as s; [print(k, s.get_config_var(k)) for k in ('LDSHARED', 'LDCXXSHARED', 'LDFLAGS', 'CC', 'CXX')]"
+env | grep -E "^(LDFLAGS|LDSHARED|CXX|CC|CFLAGS|CXXFLAGS)=" ; ldd "$SO" | grep -E "stdc|gcc_s"
 echo "== backtrace (fmt_cpp 0)"
 python3 -c "import torch, dflash_ops; torch.ops.dflash_probe.trace_segv(); print(torch.ops.dflash_probe.fmt_cpp(0))" 2>&1 | tail -30
 echo "== load order"

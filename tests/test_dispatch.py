@@ -462,3 +462,21 @@ def test_csrc_object_names_are_unique():
     assert stems, "no csrc sources found"
     dup = sorted({s for s in stems if stems.count(s) > 1})
     assert not dup, f"csrc sources sharing an object name: {dup}"
+
+
+_FMT = ("import torch, dflash_ops, sys; "
+        "print('|'.join(torch.ops.dflash_probe.fmt_cpp(k) for k in range(3)))")
+
+
+@pytest.mark.gpu
+def test_extension_formats_numbers():
+    """ostream << number inside dflash_ops._C (every TORCH_CHECK message with a number). It
+    segfaulted on the H200 when the extension was linked with a static libstdc++ (setup.py:
+    DYNAMIC_LIBSTDCXX); a subprocess, so a crash fails this test instead of the session."""
+    from dflash_ops import _ext
+
+    if _ext.load()["how"] == "absent":
+        pytest.skip("no CUDA extension here")
+    proc = subprocess.run([sys.executable, "-c", _FMT], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"rc={proc.returncode}: {proc.stderr[-2000:]}"
+    assert proc.stdout.strip().splitlines()[-1] == "int64 42|double 1.5|ostringstream 42"
