@@ -23,12 +23,14 @@ def _want_cuda() -> bool:
     return torch.version.cuda is not None and CUDA_HOME is not None
 
 
-# The shared libstdc++, always. The H200 image's Python links extensions with -static-libstdc++
-# (found 2026-11-29): _C then carried its own copy of the iostream/locale code whose classic
-# locale was never set up, and every ostream << number (each TORCH_CHECK message with a number)
-# segfaulted. An explicit -lstdc++ after our objects, under -Bdynamic, binds them to
-# libstdc++.so.6 before the driver appends the static archive.
-DYNAMIC_LIBSTDCXX = ["-Wl,-Bdynamic", "-lstdc++"]
+# Keep a static libstdc++ to ourselves. The H200 image builds with CXX=/opt/gcc/bin/g++, whose
+# libstdc++ ends up statically linked into _C with its symbols exported (found 2026-11-29). The
+# process's libstdc++.so.6 (loaded by torch, another GCC version) then interposed some of them:
+# _C's copy of the locale code took num_put<char>::id from libstdc++.so.6, indexed its own facet
+# table with it, and every ostream << number (each TORCH_CHECK message with a number) segfaulted.
+# --exclude-libs,ALL makes the archive's symbols local to _C, so its copy binds only to itself; a
+# build against the shared libstdc++ has no archive and is unchanged.
+LINK_ARGS = ["-Wl,--exclude-libs,ALL"]
 
 if _want_cuda():
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
@@ -44,7 +46,7 @@ if _want_cuda():
         include_dirs=[os.path.join(here, "csrc")],
         extra_compile_args={"cxx": ["-O3", "-std=c++20"], "nvcc": nvcc},
         define_macros=[("DFLASH_OPS_PYTHON_MODULE", "1")],
-        extra_link_args=DYNAMIC_LIBSTDCXX))
+        extra_link_args=LINK_ARGS))
     cmdclass["build_ext"] = BuildExtension.with_options(use_ninja=True)
 
 setup(ext_modules=ext_modules, cmdclass=cmdclass)

@@ -39,7 +39,7 @@ def _jit_build():
                           f"code=sm_{major}{minor}{suffix}")
     load(name="dflash_ops_C_jit", sources=sources, extra_cflags=["-O3", "-std=c++20"],
          extra_cuda_cflags=cuda_flags, extra_include_paths=[str(src)],
-         extra_ldflags=["-Wl,-Bdynamic", "-lstdc++"],  # see setup.py: DYNAMIC_LIBSTDCXX
+         extra_ldflags=["-Wl,--exclude-libs,ALL"],  # see setup.py: LINK_ARGS
          is_python_module=False, verbose=os.environ.get("DFLASH_OPS_VERBOSE") == "1")
 
 

@@ -471,8 +471,9 @@ _FMT = ("import torch, dflash_ops, sys; "
 @pytest.mark.gpu
 def test_extension_formats_numbers():
     """ostream << number inside dflash_ops._C (every TORCH_CHECK message with a number). It
-    segfaulted on the H200 when the extension was linked with a static libstdc++ (setup.py:
-    DYNAMIC_LIBSTDCXX); a subprocess, so a crash fails this test instead of the session."""
+    segfaulted on the H200, where the extension got a static libstdc++ whose symbols the
+    process's libstdc++.so.6 interposed (setup.py: LINK_ARGS). In a subprocess, so a crash
+    fails this test instead of the session."""
     from dflash_ops import _ext
 
     if _ext.load()["how"] == "absent":
