@@ -1,11 +1,9 @@
 """Block attention benchmarks (``block_attention``: 16 queries a request over a paged KV cache,
 against SDPA's backends and FlexAttention): a thin wrapper over ``dflash-ops bench attention``.
 
-    python benchmarks/bench_attention.py [--out DIR] [--quick] [--no-plot] [--experimental]
+    python benchmarks/bench_attention.py [--out DIR] [--quick] [--no-plot]
                                          [--cases BxS,...] [--tables paged,masks] [--no-flex]
 
-``--experimental`` sets ``DFLASH_OPS_EXPERIMENTAL=1`` before dflash_ops is imported (the Triton
-``block_attention`` kernel registers only then; without it the ``ours triton`` column is n/a).
 ``--cases`` sets ``DFLASH_OPS_BENCH_ATTN_CASES`` (e.g. ``1x131072,128x8192``: the shapes of the
 paged table), ``--tables`` ``DFLASH_OPS_BENCH_ATTN_TABLES`` (paged, masks), ``--no-flex``
 ``DFLASH_OPS_BENCH_ATTN_FLEX=0`` (no FlexAttention columns: their torch.compile calls are most of
@@ -20,13 +18,10 @@ from pathlib import Path
 
 def _main() -> int:
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--experimental", action="store_true")
     p.add_argument("--cases", default=None)
     p.add_argument("--tables", default=None)
     p.add_argument("--no-flex", action="store_true")
     a, rest = p.parse_known_args()
-    if a.experimental:  # before the first import of dflash_ops
-        os.environ["DFLASH_OPS_EXPERIMENTAL"] = "1"
     if a.cases is not None:
         os.environ["DFLASH_OPS_BENCH_ATTN_CASES"] = a.cases
     if a.tables is not None:

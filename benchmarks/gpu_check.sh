@@ -3,7 +3,7 @@
 # GPU tests, the benchmarks. Logs and result tables go under $OUT (at most 8 files come back).
 # Usage: bash benchmarks/gpu_check.sh [probe|tests|bench|ctx|attn|sweep|cmake|all]   (all: tests + bench + ctx)
 #   probe: every bad-input case through the C++ checks, one subprocess each (segfault hunt)
-#   attn:  the attention suite (set DFLASH_OPS_EXPERIMENTAL=1 for the Triton kernel)
+#   attn:  the attention suite (BENCH_ARGS: --quick, --cases, --tables, --no-flex)
 # Set DFLASH_OPS_COMMIT (the device copy has no .git) so result files name the commit.
 set -uo pipefail
 OUT=${OUT:-/tmp/dflash-gpu-out}

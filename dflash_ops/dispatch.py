@@ -46,14 +46,15 @@ DEFAULT_CUDA: Dict[str, str] = {
     "knorm_rope_": "cuda", "store_kv_": "cuda",
     # cuBLAS (+ the C++ epilogue): host cost of one C++ call; Triton's kv_proj is at best even
     "kv_proj": "cuda", "context_kv_": "cuda",
-    # until the GPU kernels have passed tests/test_block_attention_gpu.py on the H200
-    "block_attention": "torch", "block_attention_out_": "torch"}
+    # the CUDA kernel: 1.5-1.6x faster than the Triton one at every benchmarked shape
+    # (results/attention-*-paged.md); the torch reference gathers K/V per query row
+    "block_attention": "cuda", "block_attention_out_": "cuda"}
 GRAPH_CUDA: Dict[str, str] = {
     "rms_norm": "triton", "fused_add_rms_norm_": "triton", "rope_": "triton",
     "qk_norm_rope_": "triton", "knorm_rope_": "triton", "store_kv_": "cuda",
     # kv_proj: cuBLAS ties or beats the Triton GEMM at every T but 4096 (sweep_context.py)
     "kv_proj": "cuda", "context_kv_": "cuda",
-    "block_attention": "torch", "block_attention_out_": "torch"}
+    "block_attention": "cuda", "block_attention_out_": "cuda"}
 _PREFERENCE = ("cuda", "triton", "torch")
 
 _lib = torch.library.Library(NAMESPACE, "DEF")

@@ -8,8 +8,7 @@ shuffled block tables with garbage ids past each request's blocks; the key range
 the automatic choice (the combine kernel); output rows no request owns (zeros); outputs poisoned
 with NaN first. fp16/fp32 only (tl.dot on bf16 is wrong in the interpreter).
 
-The kernels are registered only with DFLASH_OPS_EXPERIMENTAL=1 until run on a GPU; each test
-runs its checks in a subprocess (TRITON_INTERPRET must be set before triton is imported).
+Each test runs its checks in a subprocess (TRITON_INTERPRET must be set before triton is imported).
 ``check_block_attention`` takes a device so a GPU test can reuse it.
 """
 import math
@@ -91,8 +90,7 @@ print("interp-ok")
 @pytest.mark.parametrize("dtype", ["fp16", "fp32"])
 def test_triton_block_attention_interpreter_cpu(dtype):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
-               DFLASH_OPS_EXPERIMENTAL="1")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, "-c", _SCRIPT, dtype], cwd=root, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and "interp-ok" in proc.stdout, proc.stdout + proc.stderr

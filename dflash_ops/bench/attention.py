@@ -11,9 +11,7 @@ through the cache), seq_lens = S, query_start_loc = 16 b. Inputs randn (q, K, V)
 Tables:
 * ``paged`` (non-causal; the rows of one shape per block), columns:
   - ``ours triton`` / ``ours cuda``: ``torch.ops.dflash.block_attention`` with that backend forced
-    (``columns.forced``); n/a with the reason when the backend lacks the op. The Triton kernel is
-    registered only with ``DFLASH_OPS_EXPERIMENTAL=1`` (until its GPU tests pass); run with it set
-    (``benchmarks/bench_attention.py --experimental`` sets it) to get the column.
+    (``columns.forced``); n/a with the reason when the backend lacks the op.
   - ``sdpa <flash|cudnn|efficient> ...``: ``F.scaled_dot_product_attention`` under
     ``sdpa_kernel(<that backend>)`` only, on contiguous K/V [B, Hkv, S, D] gathered from the cache
     before timing (the gather is not timed: SDPA's best case, a cache it cannot read), no mask.
@@ -73,9 +71,10 @@ Environment: ``DFLASH_OPS_BENCH_ATTN_CASES`` (comma-separated ``BxS``, S a multi
 (``paged``, ``masks``) picks tables, ``DFLASH_OPS_BENCH_ATTN_FLEX=0`` drops the Flex columns (the
 compiles are most of the run time). A restricted run writes ``attention-<...>.md/json/png`` so
 it never overwrites a full run's files. ``benchmarks/bench_attention.py --cases --tables
---no-flex --experimental`` set them.
+--no-flex`` set them.
 
-Run time on the H200 (estimate; not yet run): floors ~5 s; per shape ~1 s of inputs and
+Run time on the H200 (measured 2026-11-29: the paged table, 5 shapes, no Flex, ~40 s; the rest
+estimated): floors ~5 s; per shape ~1 s of inputs and
 reference, the Triton JIT of our kernel (a few s per new SPLITS / mode), ~1-3 s of timing per
 column (10 columns + the floor; (128, 8192) moves 4.3 GB a call, ~1 ms at the floor, slower
 columns up to ~10 ms a call x 32 a graph), and two Flex compiles (Inductor's flex decoding
@@ -257,10 +256,7 @@ def ours(case: Case, backend: str, causal=False, window=-1) -> Col:
                                                         window, None)
 
     impl = forced(OP, backend, fn, None)
-    missing = impl.missing
-    if missing and backend == "triton" and os.environ.get("DFLASH_OPS_EXPERIMENTAL") != "1":
-        missing += "; the Triton kernel registers only with DFLASH_OPS_EXPERIMENTAL=1"
-    return Col(f"ours {backend}", fn, ctx=impl.ctx, missing=missing)
+    return Col(f"ours {backend}", fn, ctx=impl.ctx, missing=impl.missing)
 
 
 def _sdpa_api():
@@ -577,8 +573,7 @@ NOTES = [
     "+ q and out (2*B*16*Hq*D*2) + block table (B*S/16*4) + lengths; x floor = us / floor; "
     "the floor row's note gives FLOPs (4*B*16*Hq*keys*D, masks: per visible pair) at the "
     "bf16 GEMM rate of this run",
-    "ours triton / cuda: torch.ops.dflash.block_attention with the backend forced; the "
-    "Triton kernel registers only with DFLASH_OPS_EXPERIMENTAL=1 (n/a otherwise)",
+    "ours triton / cuda: torch.ops.dflash.block_attention with the backend forced",
     "sdpa <backend>: F.scaled_dot_product_attention under sdpa_kernel(that backend only) on "
     "contiguous K/V [B, Hkv, S, D] gathered from the cache before timing (not timed: SDPA's "
     "best case); 'enable_gqa': q [B, Hq, 16, D] (torch documents GQA for flash and math "
@@ -613,8 +608,7 @@ def run(quick: bool = False) -> Results:
     if len(tables) < len(TABLES):
         suffix += "-" + "-".join(tables)
     res = Results("attention" + suffix, floors=floors, xlabel="B*S (keys over all requests)",
-                  meta={"DFLASH_OPS_EXPERIMENTAL": os.environ.get("DFLASH_OPS_EXPERIMENTAL"),
-                        "block_attention backends": dispatch.available_backends(OP)})
+                  meta={"block_attention backends": dispatch.available_backends(OP)})
     timing = dict(warmup_ms=10, rep_ms=40) if quick else dict(warmup_ms=25, rep_ms=100)
     with torch.no_grad():
         if "paged" in tables:
