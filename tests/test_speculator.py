@@ -18,14 +18,14 @@ from dflash_ops.speculator import plain_greedy, speculative_generate
 VOCAB, MASK, H = 97, 96, 64
 
 
-def _pair(block_size=4, seed=0):
+def _pair(block_size=4, seed=0, max_requests=5, device="cpu"):
     tcfg = TargetConfig(hidden_size=H, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
                         intermediate_size=128, vocab_size=VOCAB, rms_norm_eps=1e-6,
                         rope_theta=10000.0, max_position_embeddings=512,
                         tie_word_embeddings=False, attention_bias=False, qk_norm=True,
                         source="<test>")
     target = Target.random(tcfg, seed=seed, dtype=torch.float32, num_blocks=64, block_size=4,
-                           max_requests=4, max_len=128)
+                           max_requests=max_requests, max_len=128, device=device)
     dcfg = DFlashConfig(hidden_size=H, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                         intermediate_size=96, vocab_size=VOCAB, mask_token_id=MASK,
                         target_layer_ids=[1, 2], block_size=block_size,
@@ -33,7 +33,7 @@ def _pair(block_size=4, seed=0):
     drafter = DFlashDrafter(dcfg, random_drafter_state(dcfg, seed + 1),
                             embed_tokens=target.embed, lm_head=target.lm_head,
                             dtype=torch.float32, num_blocks=64, cache_block_size=4,
-                            max_requests=4, max_len=128)
+                            max_requests=max_requests, max_len=128, device=device)
     return target, drafter
 
 
@@ -43,16 +43,21 @@ def _prompts(n, seed):
                           generator=g).tolist() for _ in range(n)]
 
 
+@pytest.mark.parametrize("steps", ["direct", "static"])
 @pytest.mark.parametrize("block_size", [2, 4, 8])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_speculative_equals_plain_greedy(block_size, batch):
+def test_speculative_equals_plain_greedy(block_size, batch, steps):
     target, drafter = _pair(block_size, seed=block_size)
     prompts = _prompts(batch, seed=batch * 10 + block_size)
     want = plain_greedy(target, prompts, 13)
-    got, stats = speculative_generate(target, drafter, prompts, 13)
+    free_t, free_d = len(target.cache._free), len(drafter.cache._free)
+    got, stats = speculative_generate(target, drafter, prompts, 13, steps=steps)
     assert got == want
     assert all(len(o) == 13 for o in got)
-    assert stats.committed == 13 * batch
+    assert stats.committed == 13 * batch and stats.steps == steps
+    # every slot given back (the requests' and the steps' scratch slot)
+    assert (len(target.cache._free), len(drafter.cache._free)) == (free_t, free_d)
+    assert not target.cache._owned and not drafter.cache._owned
 
 
 def test_untimed_loop_gives_the_same_tokens():
@@ -63,17 +68,64 @@ def test_untimed_loop_gives_the_same_tokens():
     assert got == want and stats.seconds["draft"] >= 0
 
 
-def test_stop_tokens_mid_block():
+@pytest.mark.parametrize("steps", ["direct", "static"])
+def test_stop_tokens_mid_block(steps):
     target, drafter = _pair(4, seed=3)
     prompts = _prompts(4, seed=5)
     free = plain_greedy(target, prompts, 20)
     stop = [free[0][6], free[2][3]]  # tokens the plain decode emits mid-way
     want = plain_greedy(target, prompts, 20, stop)
-    got, _ = speculative_generate(target, drafter, prompts, 20, stop)
+    got, _ = speculative_generate(target, drafter, prompts, 20, stop, steps=steps)
     assert got == want
     for o in got:
         assert len(o) == 20 or o[-1] in stop
         assert not any(t in stop for t in o[:-1])
+
+
+def test_steps_need_a_spare_request_slot():
+    target, drafter = _pair(4, seed=1, max_requests=2)
+    prompts = _prompts(2, seed=2)
+    with pytest.raises(ValueError, match=r"spare request slot \(2, past the batch of 2\)"):
+        speculative_generate(target, drafter, prompts, 5, steps="static")
+    # nothing left allocated: the same pair still decodes directly
+    assert not target.cache._owned and not drafter.cache._owned
+    got, _ = speculative_generate(target, drafter, prompts, 5, steps="direct")
+    assert got == plain_greedy(target, prompts, 5)
+
+
+def test_steps_argument_checked():
+    target, drafter = _pair(4, seed=1)
+    with pytest.raises(ValueError, match="steps must be"):
+        speculative_generate(target, drafter, [[1, 2]], 3, steps="eager")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        speculative_generate(target, drafter, [[1, 2]], 3, steps="graphs")
+
+
+def test_untimed_static_loop_reads_the_host_once_an_iteration():
+    target, drafter = _pair(4, seed=4)
+    prompts = _prompts(3, seed=8)
+    got, stats = speculative_generate(target, drafter, prompts, 11, steps="static",
+                                      time_stages=False)
+    assert got == plain_greedy(target, prompts, 11)
+    assert stats.host_syncs == stats.iterations + 1  # + the first token's done flags
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 3])
+def test_graphed_loop_equals_plain_greedy_gpu(batch):
+    """The loop with both steps captured as CUDA graphs (fp32, so the batched verify and the
+    one-token plain decode round alike), ragged prompts, stop tokens mid-block."""
+    target, drafter = _pair(4, seed=11, device="cuda")
+    prompts = _prompts(batch, seed=12 + batch)
+    free = plain_greedy(target, prompts, 24)
+    stop = [free[0][9]]
+    want = plain_greedy(target, prompts, 24, stop)
+    got, stats = speculative_generate(target, drafter, prompts, 24, stop, steps="graphs",
+                                      time_stages=False)
+    assert got == want
+    assert stats.seconds["capture"] > 0
+    assert stats.host_syncs <= stats.iterations + 1 + 4  # + one per graph captured
+    assert not target.cache._owned and not drafter.cache._owned
 
 
 class _ScriptedDrafter:

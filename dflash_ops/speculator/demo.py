@@ -18,7 +18,7 @@ import time
 import torch
 
 
-def _tiny_pair(device, dtype, block_size, max_len):
+def _tiny_pair(device, dtype, block_size, max_len, batch):
     from ..models.config import DFlashConfig
     from ..models.drafter import DFlashDrafter, random_drafter_state
     from ..models.target import Target, TargetConfig
@@ -28,31 +28,35 @@ def _tiny_pair(device, dtype, block_size, max_len):
                         rope_theta=10000.0, max_position_embeddings=4096,
                         tie_word_embeddings=False, attention_bias=False, qk_norm=True,
                         source="<built-in tiny target>")
-    kw = dict(dtype=dtype, device=device, max_requests=8, max_len=max_len)
-    target = Target.random(tcfg, seed=0, num_blocks=8 * (-(-max_len // 16)), block_size=16, **kw)
+    slots = batch + 1  # + the steps' scratch request
+    kw = dict(dtype=dtype, device=device, max_requests=slots, max_len=max_len)
+    target = Target.random(tcfg, seed=0, num_blocks=slots * (-(-max_len // 16)), block_size=16,
+                           **kw)
     dcfg = DFlashConfig(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
                         intermediate_size=256, vocab_size=512, mask_token_id=511,
                         target_layer_ids=[1, 2], block_size=block_size,
                         max_position_embeddings=4096, source="<built-in tiny drafter>")
     drafter = DFlashDrafter(dcfg, random_drafter_state(dcfg, seed=1), embed_tokens=target.embed,
-                            lm_head=target.lm_head, num_blocks=8 * (-(-max_len // 16)),
+                            lm_head=target.lm_head, num_blocks=slots * (-(-max_len // 16)),
                             cache_block_size=16, **kw)
     return target, drafter
 
 
-def _checkpoint_pair(target_dir, draft_dir, device, dtype, block_size, max_len):
+def _checkpoint_pair(target_dir, draft_dir, device, dtype, block_size, max_len, batch):
     from ..models.config import DFlashConfig
     from ..models.drafter import DFlashDrafter
     from ..models.target import Target
     from ..models.weights import load_state
 
-    kw = dict(dtype=dtype, device=device, max_requests=8, max_len=max_len)
-    target = Target.from_pretrained(target_dir, num_blocks=8 * (-(-max_len // 16)), **kw)
+    slots = batch + 1  # + the steps' scratch request
+    kw = dict(dtype=dtype, device=device, max_requests=slots, max_len=max_len)
+    target = Target.from_pretrained(target_dir, num_blocks=slots * (-(-max_len // 16)), **kw)
     dcfg = DFlashConfig.from_pretrained(draft_dir)
     if block_size:
         dcfg = dcfg.replace(block_size=block_size)
     drafter = DFlashDrafter(dcfg, load_state(draft_dir), embed_tokens=target.embed,
-                            lm_head=target.lm_head, num_blocks=8 * (-(-max_len // 16)), **kw)
+                            lm_head=target.lm_head, num_blocks=slots * (-(-max_len // 16)),
+                            **kw)
     return target, drafter
 
 
@@ -78,16 +82,20 @@ def run(args) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
         args.dtype or ("bf16" if device == "cuda" else "fp32")]
+    if args.batch < 1 or args.prompt_len < 1 or args.max_new_tokens < 1:
+        print(f"dflash-ops demo: --batch, --prompt-len and --max-new-tokens must be >= 1, got "
+              f"{args.batch}, {args.prompt_len}, {args.max_new_tokens}", file=sys.stderr)
+        return 2
     max_len = args.prompt_len + args.max_new_tokens + 64
     if (args.target is None) != (args.draft is None):
         print("dflash-ops demo: give both --target and --draft, or neither", file=sys.stderr)
         return 2
     if args.target:
         target, drafter = _checkpoint_pair(args.target, args.draft, device, dtype,
-                                           args.block_size, max_len)
+                                           args.block_size, max_len, args.batch)
         what = f"target {args.target}, drafter {args.draft}"
     else:
-        target, drafter = _tiny_pair(device, dtype, args.block_size or 8, max_len)
+        target, drafter = _tiny_pair(device, dtype, args.block_size or 8, max_len, args.batch)
         what = "built-in tiny pair (random weights, seeded)"
     g = torch.Generator().manual_seed(args.seed)
     vocab = min(target.cfg.vocab_size, drafter.cfg.mask_token_id)
@@ -96,7 +104,7 @@ def run(args) -> int:
     total = args.batch * args.max_new_tokens
     print(f"dflash-ops demo: {what}; {device}, {str(dtype).replace('torch.', '')}, batch "
           f"{args.batch}, prompt {args.prompt_len} tokens, {args.max_new_tokens} new tokens each, "
-          f"block {drafter.cfg.block_size}")
+          f"block {drafter.cfg.block_size}, steps {args.steps}")
 
     bar = _Progress(total, "plain greedy ")
     t0 = time.perf_counter()
@@ -108,7 +116,8 @@ def run(args) -> int:
     bar = _Progress(total, "DFlash greedy")
     t0 = time.perf_counter()
     got, st = speculative_generate(target, drafter, prompts, args.max_new_tokens,
-                                 on_iteration=bar)
+                                   on_iteration=bar, steps=args.steps,
+                                   time_stages=not args.no_stage_times)
     t_spec = time.perf_counter() - t0
     bar.close()
 
@@ -119,6 +128,8 @@ def run(args) -> int:
     print(f"{'seconds':24} {t_plain:>14.3f} {t_spec:>14.3f}")
     print(f"{'tokens/s':24} {total / t_plain:>14.1f} {st.committed / t_spec:>14.1f}")
     print(f"{'iterations':24} {'':>14} {st.iterations:>14}")
+    print(f"{'host syncs / iteration':24} {'':>14} "
+          f"{st.host_syncs / max(1, st.iterations):>14.2f}")
     print(f"{'acceptance length':24} {'1.00':>14} {st.mean_acceptance:>14.2f}")
     print(f"{'speedup':24} {'1.00x':>14} {t_plain / t_spec:>13.2f}x")
     for k, v in st.seconds.items():
@@ -146,6 +157,12 @@ def add_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", choices=["auto", "direct", "static", "graphs"], default="auto",
+                   help="the loop's draft/verify calls: direct, static-buffer steps, or those "
+                        "steps captured as CUDA graphs (auto: direct for now)")
+    p.add_argument("--no-stage-times", action="store_true",
+                   help="no synchronisation per stage (one host sync an iteration; the time "
+                        "per stage is then launch time only)")
 
 
 def main(argv=None) -> int:

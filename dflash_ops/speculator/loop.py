@@ -1,5 +1,4 @@
-"""The DFlash draft-and-verify loop, eager (CUDA graphs for the draft and verify steps are the
-next step: ``models.draft_step`` has the drafter's).
+"""The DFlash draft-and-verify loop: direct calls, or static-buffer steps replayed as CUDA graphs.
 
 Per request: prefill the target on the prompt (logits of the last token -> the first new token;
 tap hidden states of every prompt token -> the drafter's context K/V). Then per iteration, for
@@ -24,6 +23,16 @@ from normalise(max(p - q, 0)); after B-1 acceptances the bonus is drawn from p. 
 has the target's distribution exactly (tests/test_speculator.py checks it with a chi-square
 test).
 
+Steps (``steps="graphs"``, to become the default on CUDA once run there; ``"static"`` runs the same path without capture,
+the CPU test of it; ``"direct"`` the plain calls): the draft step (``models.draft_step``) takes
+the previous iteration's committed rows as its context precompute and runs the block forward +
+LM head + argmax; the verify step (``models.verify_step``) runs the target on the block. Both
+work on static buffers padded to a bucket (the next power of two of the active requests, at most
+the batch), captured as one CUDA graph per bucket on first use (Stats.seconds["capture"]); the
+padded rows run as a scratch request slot (the first slot past the batch: both caches need one
+spare slot). A request that finishes frees its cache slots at once; its pending context rows
+then map to slot -1 and are written nowhere.
+
 ``plain_greedy`` decodes with the target alone (one token per step), the reference the
 speculative output must equal token for token.
 """
@@ -42,9 +51,12 @@ from .accept import commit_block
 class Stats:
     iterations: int = 0
     committed: int = 0
+    host_syncs: int = 0  # device-to-host reads, and synchronisations on CUDA
+    steps: str = "direct"
     acceptance: List[int] = field(default_factory=list)  # tokens committed per request-iteration
     seconds: dict = field(default_factory=lambda: {"prefill": 0.0, "draft": 0.0,
-                                                   "verify": 0.0, "accept": 0.0})
+                                                   "verify": 0.0, "accept": 0.0,
+                                                   "capture": 0.0})
 
     @property
     def mean_acceptance(self) -> float:
@@ -123,14 +135,16 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
                        stop_token_ids: Sequence[int] = (), block_size: Optional[int] = None,
                        on_iteration: Optional[Callable[[int], None]] = None,
                        temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                       generator: Optional[torch.Generator] = None, time_stages: bool = True):
+                       generator: Optional[torch.Generator] = None, time_stages: bool = True,
+                       steps: str = "auto"):
     """(new tokens per prompt, Stats): DFlash decoding. Greedy (temperature 0) equals
     ``plain_greedy``; with temperature > 0 the output follows the target's sampling
     distribution (speculative rejection sampling). ``generator``: a torch.Generator on the
     target's device for the random draws. ``time_stages``: synchronise after each stage to
     time it (Stats.seconds); off, the loop's only device-to-host read is the done flags and
     committed counts once an iteration (and the active index list is uploaded only when a
-    request finishes)."""
+    request finishes). ``steps``: "direct", "static" or "graphs" (module docstring); "auto" is
+    "direct" for now (the graphed loop has not yet run on a GPU)."""
     sampling = temperature > 0
     if sampling:
         probs_from_logits(torch.zeros(1), temperature, top_p, top_k)  # validates the arguments
@@ -142,14 +156,44 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
     bsz = block_size or cfg.block_size
     if bsz < 2:
         raise ValueError(f"speculative_generate: block_size must be >= 2, got {bsz}")
+    if steps == "auto":  # "graphs" on CUDA once tests/test_speculator.py's GPU test has passed
+        steps = "direct"
+    if steps not in ("direct", "static", "graphs"):
+        raise ValueError(f"speculative_generate: steps must be 'auto', 'direct', 'static' or "
+                         f"'graphs', got {steps!r}")
+    if steps == "graphs" and torch.device(dev).type != "cuda":
+        raise ValueError(f"speculative_generate: steps='graphs' needs a CUDA device, the "
+                         f"target is on {dev}")
     stop = set(stop_token_ids)
-    stats = Stats()
+    stats = Stats(steps=steps)
     n = len(prompts)
+    owned = set()
     for r, p in enumerate(prompts):
         cap = len(p) + max_new_tokens + bsz + 1
         target.add_request(r, cap)
         drafter.cache.add_request(r, cap)
+        owned.add(r)
+
+    def release(r):
+        if r in owned:
+            owned.discard(r)
+            target.free_request(r)
+            drafter.cache.free_request(r)
+
+    dstep = vstep = None
     try:
+        if steps != "direct":
+            from ..models.draft_step import DraftStep
+            from ..models.verify_step import VerifyStep
+            try:
+                dstep = DraftStep(drafter, max_batch=n, scratch_request=n, block_size=bsz)
+                vstep = VerifyStep(target, max_batch=n, block_size=bsz,
+                                   tap_layers=cfg.target_layer_ids, scratch_request=n)
+            except (ValueError, RuntimeError) as e:
+                raise ValueError(f"speculative_generate(steps={steps!r}): the steps need a "
+                                 f"spare request slot ({n}, past the batch of {n}) with "
+                                 f"{bsz} positions in both caches (max_requests >= {n + 1}); "
+                                 f"or use steps='direct'. Cause: {e}") from e
         t0 = time.perf_counter()
         first_logits, taps = _prefill(target, prompts, cfg.target_layer_ids)
         first = (_sample(probs_from_logits(first_logits, temperature, top_p, top_k), generator)
@@ -159,6 +203,10 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
         drafter.add_context(taps, reqs, pos)
         _sync(dev)
         stats.seconds["prefill"] += time.perf_counter() - t0
+        # steps: the committed rows of the last verify, added to the drafter's context by the
+        # next draft step (rows, their request slots, positions; -1 = not committed)
+        width_taps = cfg.n_taps * cfg.target_hidden_size
+        pending = (taps.new_zeros(0, width_taps), reqs[:0], pos[:0])
         # device state: the token buffer and per-request counters; the host reads only the
         # done flags and committed counts, once an iteration
         width = max_new_tokens + bsz + 1
@@ -169,9 +217,30 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
         start_t = torch.tensor([len(p) for p in prompts], device=dev)  # position of `last`
         stop_t = torch.tensor(sorted(stop), dtype=torch.long, device=dev)
         done = [t in stop or max_new_tokens <= 1 for t in first.tolist()]
+        stats.host_syncs += 1
+        for r in range(n):
+            if done[r]:
+                release(r)
         committed = n
         j_b = torch.arange(bsz, device=dev)
-        sync = (lambda: _sync(dev)) if time_stages else (lambda: None)
+        on_cuda = torch.device(dev).type == "cuda"
+
+        def sync():
+            if time_stages and on_cuda:
+                _sync(dev)
+                stats.host_syncs += 1
+
+        def capture(step, bucket) -> float:
+            """Capture the step's graph for bucket on first use; returns the seconds spent."""
+            if steps != "graphs" or bucket in step._graphs:
+                return 0.0
+            tc = time.perf_counter()
+            step.capture(bucket)
+            _sync(dev)
+            stats.host_syncs += 1
+            spent = time.perf_counter() - tc
+            stats.seconds["capture"] += spent
+            return spent
         act, ra = None, None
         while not all(done):
             now = [r for r in range(n) if not done[r]]
@@ -181,17 +250,31 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
             block = torch.full((len(act), bsz), cfg.mask_token_id, dtype=torch.long, device=dev)
             block[:, 0] = last[ra]
             t0 = time.perf_counter()
-            drafts, dlogits = drafter.propose(block, ra, st)
+            r_n = len(act)
+            if dstep is not None:
+                bucket = dstep.load(*pending, block, ra, st)
+                t0 += capture(dstep, bucket)  # capture time is not draft time
+                drafts, dlogits = dstep.run(bucket)
+                drafts, dlogits = drafts[:r_n], dlogits[:r_n]
+            else:
+                drafts, dlogits = drafter.propose(block, ra, st)
             if sampling:
                 q = probs_from_logits(dlogits, temperature, top_p, top_k)  # [R, B-1, V]
                 drafts = _sample(q, generator)
             block[:, 1:] = drafts
             sync()
             t1 = time.perf_counter()
-            logits, taps = target.forward(block.reshape(-1), ra, st,
-                                          torch.full((len(act),), bsz, device=dev),
-                                          cfg.target_layer_ids)
-            logits = logits.view(len(act), bsz, -1)
+            if vstep is not None:
+                bucket = vstep.load(block, ra, st)
+                t1 += capture(vstep, bucket)
+                logits, vpost, taps = vstep.run(bucket)
+                logits, vpost, taps = logits[:r_n], vpost[:r_n], taps[:r_n * bsz]
+            else:
+                logits, taps = target.forward(block.reshape(-1), ra, st,
+                                              torch.full((len(act),), bsz, device=dev),
+                                              cfg.target_layer_ids)
+                logits = logits.view(len(act), bsz, -1)
+                vpost = None
             sync()
             t2 = time.perf_counter()
             if sampling:
@@ -210,7 +293,7 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
                 post = torch.zeros_like(block)
                 post[rows, match] = _sample(resid, generator)
             else:
-                post = logits.argmax(-1)
+                post = logits.argmax(-1) if vpost is None else vpost
                 match = (block[:, 1:] == post[:, :-1]).int().cumprod(1).sum(1)
             kept, fin, new_last = commit_block(block, post, match, n_out[ra], max_new_tokens,
                                                stop_t, out_tokens, ra)
@@ -219,13 +302,19 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
             # the committed block rows 0..kept-1 (last token + accepted drafts) -> context
             ctx_pos = torch.where(j_b[None, :] < kept[:, None], st[:, None] + j_b[None, :],
                                   torch.full_like(block, -1))
-            drafter.add_context(taps, ra[:, None].expand(-1, bsz).reshape(-1),
-                                ctx_pos.reshape(-1))
+            ctx_req = ra[:, None].expand(-1, bsz).reshape(-1)
+            if dstep is not None:  # added by the next draft step
+                pending = (taps, ctx_req, ctx_pos.reshape(-1))
+            else:
+                drafter.add_context(taps, ctx_req, ctx_pos.reshape(-1))
             start_t[ra] = st + kept
             flags = torch.stack([fin.long(), kept]).tolist()  # the iteration's one sync
+            stats.host_syncs += 1
             t3 = time.perf_counter()
             for i, r in enumerate(act):
                 done[r] = bool(flags[0][i])
+                if done[r]:
+                    release(r)
             stats.acceptance.extend(flags[1])
             committed += sum(flags[1])
             stats.seconds["draft"] += t1 - t0
@@ -239,6 +328,11 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
         stats.committed = sum(len(o) for o in out)
         return out, stats
     finally:
-        for r in range(n):
-            target.free_request(r)
-            drafter.cache.free_request(r)
+        for r in list(owned):
+            release(r)
+        if dstep is not None:
+            drafter.cache.free_request(n)
+        if vstep is not None:
+            target.free_request(n)
+        elif dstep is None and n in getattr(drafter.cache, "_owned", {}) and steps != "direct":
+            drafter.cache.free_request(n)  # DraftStep took the slot, VerifyStep failed
