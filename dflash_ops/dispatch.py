@@ -64,6 +64,7 @@ _global_force: Dict[Optional[str], str] = {}  # op name (None = all ops) -> back
 _override_libs: Dict[str, torch.library.Library] = {}
 _cuda_cpp_ops: set = set()  # ops whose CUDA key holds a C++ kernel from dflash_ops._C
 _sync_lock = threading.RLock()
+_graph_mode: list = []  # one entry per open graph_backends() block
 
 
 class BackendUnavailableError(RuntimeError):
@@ -278,7 +279,17 @@ def graph_backends():
     use_backend; an explicit use_backend/set_backend opened inside it still wins."""
     with _pushed(_CudaOnly((op, b) for op, b in GRAPH_CUDA.items()
                            if op in _OPS and has_backend(op, b))):
-        yield
+        _graph_mode.append(True)
+        try:
+            yield
+        finally:
+            _graph_mode.pop()
+
+
+def in_graph_backends() -> bool:
+    """Whether a ``graph_backends()`` block is open (code choosing kernels outside the op
+    tables, e.g. ``models.linear``, follows it)."""
+    return bool(_graph_mode)
 
 
 def set_backend(backend: Optional[str], ops: Optional[Iterable[str]] = None) -> None:

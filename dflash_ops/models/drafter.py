@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from .. import ops  # noqa: F401  (defines torch.ops.dflash.*)
 from ..ops.rope import make_cos_sin_cache
 from .cache import PagedKVCache
+from .linear import linear
 from .config import DFlashConfig
 from .weights import check_drafter_state, stack_kv
 
@@ -102,7 +103,7 @@ class DFlashDrafter:
         states at target_layer_ids, concatenated), requests [T] (request slot of each row),
         positions [T]; a row with position < 0 is padding (written nowhere)."""
         cfg = self.cfg
-        c = F.linear(tap_hidden.to(self.dtype), self.fc)
+        c = linear(tap_hidden.to(self.dtype), self.fc)
         slots = self.cache.slots(requests, positions)
         OPS.context_kv_(c, self.w_kv, self.b_kv, self.k_weight, positions.long(), self.cos_sin,
                         slots, self.cache.k, self.cache.v, cfg.rms_norm_eps, cfg.rope_is_neox,
@@ -136,7 +137,7 @@ class DFlashDrafter:
                 h = OPS.rms_norm(x, lw["in_ln"], cfg.rms_norm_eps)
             else:  # x += previous sublayer output (in h); h = norm(x)
                 OPS.fused_add_rms_norm_(h, x, lw["in_ln"], cfg.rms_norm_eps)
-            qkv = F.linear(h, lw["qkv"], lw["qkv_b"])
+            qkv = linear(h, lw["qkv"], lw["qkv_b"])
             q = qkv[:, :hq * d].view(-1, hq, d)
             k = qkv[:, hq * d:(hq + hkv) * d].view(-1, hkv, d)
             v = qkv[:, (hq + hkv) * d:].view(-1, hkv, d)
@@ -146,17 +147,17 @@ class DFlashDrafter:
             attn = OPS.block_attention(q.contiguous(), self.cache.k[i], self.cache.v[i], table,
                                        seq_lens, qsl, self.scale, lw["causal"], lw["window"],
                                        lw["sinks"])
-            o = F.linear(attn.view(-1, hq * d), lw["o"], lw["o_b"])
+            o = linear(attn.view(-1, hq * d), lw["o"], lw["o_b"])
             OPS.fused_add_rms_norm_(o, x, lw["post_ln"], cfg.rms_norm_eps)  # x += o; o = norm
-            gu = F.linear(o, lw["gate_up"])
+            gu = linear(o, lw["gate_up"])
             g, u = gu.chunk(2, dim=-1)
-            h = F.linear(F.silu(g) * u, lw["down"])
+            h = linear(F.silu(g) * u, lw["down"])
         x = x + h
         return OPS.rms_norm(x, self.norm, cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
-        z = F.linear(hidden, self.lm_head).float() * cfg.output_multiplier
+        z = linear(hidden, self.lm_head).float() * cfg.output_multiplier
         if cfg.final_logit_softcapping:
             cap = float(cfg.final_logit_softcapping)
             z = torch.tanh(z / cap) * cap

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from .. import ops  # noqa: F401  (defines torch.ops.dflash.*)
 from ..ops.rope import HEAD_DIMS, make_cos_sin_cache
 from .cache import PagedKVCache
+from .linear import linear
 from .weights import load_state
 
 __all__ = ["TargetConfig", "Target", "expected_target_shapes", "check_target_state",
@@ -396,7 +397,7 @@ class Target:
                 h = OPS.rms_norm(x, lw["in_ln"], cfg.rms_norm_eps)
             else:  # x += h (the previous MLP output); h = norm(x)
                 OPS.fused_add_rms_norm_(h, x, lw["in_ln"], cfg.rms_norm_eps)
-            qkv = F.linear(h, lw["qkv"], lw["qkv_b"])
+            qkv = linear(h, lw["qkv"], lw["qkv_b"])
             q = qkv[:, :hq * d].view(t, hq, d)
             k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
             v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
@@ -409,10 +410,10 @@ class Target:
             OPS.store_kv_(k[:, None], v[:, None], [self.cache.k[i]], [self.cache.v[i]], slots)
             attn = OPS.block_attention(q.contiguous(), self.cache.k[i], self.cache.v[i], table,
                                        seq_lens, qsl, self.scale, True)
-            o = F.linear(attn.view(t, hq * d), lw["o"], lw["o_b"])
+            o = linear(attn.view(t, hq * d), lw["o"], lw["o_b"])
             OPS.fused_add_rms_norm_(o, x, lw["post_ln"], cfg.rms_norm_eps)  # x += o; o = norm(x)
-            gate, up = F.linear(o, lw["gate_up"]).chunk(2, dim=-1)
-            h = F.linear(F.silu(gate) * up, lw["down"])
+            gate, up = linear(o, lw["gate_up"]).chunk(2, dim=-1)
+            h = linear(F.silu(gate) * up, lw["down"])
             if i in taps:   # the layer's output: complete the residual add now
                 x.add_(h)
                 h = None
@@ -422,7 +423,7 @@ class Target:
             h = OPS.rms_norm(x, self.norm, cfg.rms_norm_eps)
         else:
             OPS.fused_add_rms_norm_(h, x, self.norm, cfg.rms_norm_eps)
-        logits = F.linear(h, self.lm_head).float()
+        logits = linear(h, self.lm_head).float()
         tap_out = None
         if tap_layers is not None:
             tap_out = torch.cat([tapped[i] for i in taps], dim=-1) if taps else x.new_zeros(t, 0)

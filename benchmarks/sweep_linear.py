@@ -1,0 +1,136 @@
+"""Per-shape sweep: cuBLAS ``F.linear`` vs our Triton skinny GEMM (kv_proj's kernel) on the linear
+layers of a Qwen3-8B target and its DFlash drafter (bf16, H200), for the table of
+``dflash_ops/models/linear.py``.
+
+Shapes (N, K): qkv (6144, 4096), o_proj (4096, 4096), gate_up (24576, 4096), down (4096, 12288),
+the drafter's fc (4096, 5 * 4096) and the LM head (151936, 4096); M (rows) = the M buckets of
+models.linear up to 1024 (decode: M = batch; draft/verify blocks: M = 16 * batch). For each
+(shape, M): cuBLAS, then a grid of ``ProjCfg`` launches, each checked against F.linear on the
+same inputs before it is timed (CUDA-graph replay; a wrong or failing config is listed, never
+chosen). Prints the best few per (shape, M) with their ratio to cuBLAS and to the floor (max of
+bytes / copy bandwidth and FLOPs / GEMM rate, measured in the same run); writes every
+measurement to ``--out`` (JSON) and, with ``--write-table``, the winners to
+``dflash_ops/models/linear_table.json`` (the table models.linear loads at import).
+
+    python benchmarks/sweep_linear.py [--quick] [--shapes qkv,o] [--ms 1,16] [--write-table]
+
+Run time on the H200 (estimate): ~30 Triton compiles (~1-2 s each) + ~600 timed launches
+(~0.1 s each): 2-3 minutes; --quick (M 1, 16, 64, 256) about half.
+"""
+import argparse
+import importlib.util
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
+          "down": (4096, 12288), "fc": (4096, 20480), "lm_head": (151936, 4096)}
+MS = (1, 8, 16, 32, 64, 128, 256, 512, 1024)
+QUICK_MS = (1, 16, 64, 256)
+
+
+def pow2(n):
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def grid(m, tc):
+    """Candidate launches for M rows (skinny M: narrow N tiles so every SM streams weights)."""
+    if m <= 64:
+        bm = max(16, pow2(m))
+        for bn, bk in itertools.product((16, 32, 64, 128), (128, 256)):
+            yield tc.ProjCfg(bm, bn, bk, 8, 4, tc._stages(4, bm, bn, bk, 2), True)
+        for bn in (32, 64):
+            yield tc.ProjCfg(bm, bn, 128, 8, 4, tc._stages(4, bm, bn, 128, 2), True, True)
+        yield tc.ProjCfg(bm, 32, 128, 8, 4, 4, False)
+    else:
+        for bm, bn, st in itertools.product((64, 128), (64, 128, 256), (3, 4)):
+            w = 8 if bm * bn >= 128 * 128 else 4
+            for pers in (False, True):
+                yield tc.ProjCfg(bm, bn, 64, 8, w, tc._stages(st, bm, bn, 64, 2), True, pers)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"of {','.join(SHAPES)}")
+    ap.add_argument("--ms", default=None, help="comma-separated M values")
+    ap.add_argument("--out", default="benchmarks/results/sweep_linear.json")
+    ap.add_argument("--write-table", action="store_true")
+    a = ap.parse_args()
+    shapes = [s.strip() for s in a.shapes.split(",") if s.strip()]
+    bad = [s for s in shapes if s not in SHAPES]
+    if bad:
+        ap.error(f"--shapes: unknown {bad}; known: {list(SHAPES)}")
+    ms = tuple(int(v) for v in a.ms.split(",")) if a.ms else (QUICK_MS if a.quick else MS)
+    if importlib.util.find_spec("dflash_ops") is None:  # from a checkout without installing
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import torch
+    import torch.nn.functional as F
+
+    if not torch.cuda.is_available():
+        print("sweep_linear: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from dflash_ops.bench.harness import env_info, floor_us, measure_floors, time_fn
+    from dflash_ops.triton import context as tc
+
+    bf16 = torch.bfloat16
+    floors = measure_floors()
+    print(f"floors: copy {floors['copy_GBps']:.0f} GB/s, bf16 GEMM {floors['gemm_TFLOPs']:.0f} "
+          f"TFLOP/s", flush=True)
+
+    def t_us(fn):
+        return time_fn(fn, graph=True, warmup_ms=5, rep_ms=40, calls=16)["us"]
+
+    entries, t0 = [], time.time()
+    for name in shapes:
+        n, k = SHAPES[name]
+        w = torch.randn(n, k, device="cuda", dtype=bf16) * k ** -0.5
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=bf16)
+            want = F.linear(x.float(), w.float())
+            lin = t_us(lambda: F.linear(x, w))
+            fl = floor_us(floors, bytes_moved=2 * (m * k + n * k + m * n), flops=2 * m * n * k)
+            rows = []
+            for cfg in dict.fromkeys(grid(m, tc)):
+                o = torch.empty(m, n, device="cuda", dtype=bf16)
+                try:
+                    tc.launch_proj(x, w, None, o, cfg)
+                    torch.cuda.synchronize()
+                    err = ((o.float() - want).abs().max() / want.abs().max()).item()
+                    if not err <= 2e-2:
+                        rows.append((float("inf"), cfg, f"WRONG (rel err {err:.2e})"))
+                        continue
+                    rows.append((t_us(lambda: tc.launch_proj(x, w, None, o, cfg)), cfg, ""))
+                except Exception as ex:  # noqa: BLE001 - e.g. out of shared memory
+                    rows.append((float("inf"), cfg, f"failed: {type(ex).__name__}: "
+                                                    f"{str(ex)[:80]}"))
+            rows.sort(key=lambda r: r[0])
+            best_us, best = rows[0][0], rows[0][1]
+            print(f"\n{name} M={m} N={n} K={k}: cuBLAS {lin:.1f} us ({lin / fl:.2f}x floor "
+                  f"{fl:.1f} us); best triton {best_us:.1f} us ({best_us / lin:.2f}x cuBLAS) "
+                  f"[{time.time() - t0:.0f} s]", flush=True)
+            for us, cfg, note in rows[:4] + [r for r in rows if r[2]][:3]:
+                print(f"   {us:8.1f} us  {us / lin:5.2f}x cuBLAS  {us / fl:5.2f}x floor  {cfg} "
+                      f"{note}", flush=True)
+            entries.append(dict(name=name, n=n, k=k, m=m, cublas_us=lin, floor_us=fl,
+                                triton_us=best_us if best_us < float("inf") else None,
+                                cfg=list(best) if best_us < float("inf") else None))
+    doc = dict(env=env_info(), floors=floors, entries=entries)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(doc, indent=1, default=str))
+    print(f"wrote {a.out}")
+    if a.write_table:
+        from dflash_ops.models import linear as L
+
+        keep = [e for e in entries if e["cfg"] is not None and e["triton_us"] < e["cublas_us"]
+                and e["m"] in L.M_BUCKETS]
+        L.TABLE_PATH.write_text(json.dumps(dict(env=doc["env"], entries=keep), indent=1,
+                                           default=str))
+        print(f"wrote {L.TABLE_PATH} ({len(keep)} Triton wins of {len(entries)} shapes)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""The models' linear layers: cuBLAS (``F.linear``) or our Triton skinny GEMM, per shape.
+
+``linear(x, w, b)`` computes ``x @ w^T + b`` like ``F.linear``. On CUDA, for bf16/fp16, inside
+``dispatch.graph_backends()`` (CUDA-graph warm-up and capture: an eager Triton launch costs
+65-120 us of host time, more than these GEMMs take on the GPU), it looks up the GEMM's shape
+(N, K) and the bucket of M (rows) in ``TABLE`` and runs the Triton GEMM of ``kv_proj``
+(``triton.context.launch_proj``) with the recorded launch config where a sweep measured it
+faster than cuBLAS; everywhere else it is ``F.linear``.
+
+``TABLE`` comes from ``linear_table.json`` next to this file, written by
+``benchmarks/sweep_linear.py --write-table`` from measurements on the H200 (each entry: the
+config and both times). Without that file (the state until the sweep has run) every layer uses
+cuBLAS. The choice depends on shapes only, so a captured graph replays with any values.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .. import dispatch
+
+TABLE_PATH = Path(__file__).with_name("linear_table.json")
+M_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+# (N, K) -> {m_bucket: ProjCfg fields (bm, bn, bk, gm, warps, stages, tma, persistent)}
+Table = Dict[Tuple[int, int], Dict[int, tuple]]
+
+
+def m_bucket(m: int) -> int:
+    """The smallest bucket >= m (rows past the last bucket share it)."""
+    for b in M_BUCKETS:
+        if m <= b:
+            return b
+    return M_BUCKETS[-1]
+
+
+def parse_table(doc: dict) -> Table:
+    """The JSON document ({"entries": [{"n", "k", "m", "cfg": [...], "triton_us",
+    "cublas_us"}, ...]}) as a lookup table; only entries where Triton was faster."""
+    table: Table = {}
+    for e in doc.get("entries", []):
+        cfg = e.get("cfg")
+        if cfg is None or not e["triton_us"] < e["cublas_us"]:
+            continue
+        if len(cfg) != 8:
+            raise ValueError(f"{TABLE_PATH.name}: entry {e} needs an 8-field cfg "
+                             f"(bm, bn, bk, gm, warps, stages, tma, persistent)")
+        table.setdefault((int(e["n"]), int(e["k"])), {})[int(e["m"])] = tuple(cfg)
+    return table
+
+
+def _load() -> Table:
+    if not TABLE_PATH.exists():
+        return {}
+    with open(TABLE_PATH) as f:
+        return parse_table(json.load(f))
+
+
+TABLE: Table = _load()
+
+
+def choice(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> Optional[tuple]:
+    """The Triton launch config for this GEMM, or None for cuBLAS."""
+    if (device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16)
+            or not dispatch.in_graph_backends()):
+        return None
+    return TABLE.get((n, k), {}).get(m_bucket(m))
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    cfg = choice(x2.shape[0], w.shape[0], w.shape[1], x.dtype, x.device) if x2.shape[0] else None
+    if cfg is None:
+        return F.linear(x, w, b)
+    from ..triton.context import ProjCfg, launch_proj
+
+    out = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+    launch_proj(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, b, out, ProjCfg(*cfg))
+    return out.view(*lead, w.shape[0])
+
+
+def describe() -> List[str]:
+    """One line per table entry (for ``dflash-ops info`` and the benchmarks' notes)."""
+    return [f"N={n} K={k} M<={m}: triton {cfg}" for (n, k), by_m in sorted(TABLE.items())
+            for m, cfg in sorted(by_m.items())]

@@ -1,0 +1,72 @@
+"""models.linear: the per-shape choice between cuBLAS and the Triton GEMM (table parsing, the
+rules that keep eager and CPU calls on F.linear) and, on the GPU, the Triton path against
+F.linear."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash_ops import dispatch
+from dflash_ops.models import linear as L
+
+
+def _doc(*entries):
+    return {"entries": [dict(n=n, k=k, m=m, cfg=cfg, triton_us=t, cublas_us=c)
+                        for n, k, m, cfg, t, c in entries]}
+
+
+CFG = [16, 64, 128, 8, 4, 3, True, False]
+
+
+def test_m_bucket():
+    assert [L.m_bucket(m) for m in (1, 2, 8, 9, 16, 1000, 1024, 5000)] == \
+        [1, 8, 8, 16, 16, 1024, 1024, 4096]
+
+
+def test_parse_table_keeps_only_triton_wins():
+    t = L.parse_table(_doc((4096, 4096, 16, CFG, 20.0, 25.0), (4096, 4096, 32, CFG, 30.0, 25.0),
+                           (6144, 4096, 1, None, 0.0, 1.0)))
+    assert t == {(4096, 4096): {16: tuple(CFG)}}
+
+
+def test_parse_table_rejects_a_short_cfg():
+    with pytest.raises(ValueError, match="8-field cfg"):
+        L.parse_table(_doc((4096, 4096, 16, CFG[:5], 20.0, 25.0)))
+
+
+def test_choice_is_cublas_on_cpu_eager_and_fp32(monkeypatch):
+    monkeypatch.setattr(L, "TABLE", {(64, 32): {16: tuple(CFG)}})
+    cuda = torch.device("cuda")
+    assert L.choice(16, 64, 32, torch.bfloat16, cuda) is None  # eager: no graph_backends()
+    with dispatch.graph_backends():
+        assert dispatch.in_graph_backends()
+        assert L.choice(16, 64, 32, torch.bfloat16, cuda) == tuple(CFG)
+        assert L.choice(9, 64, 32, torch.bfloat16, cuda) == tuple(CFG)  # bucket 16
+        assert L.choice(17, 64, 32, torch.bfloat16, cuda) is None  # bucket 32: not in table
+        assert L.choice(16, 64, 32, torch.float32, cuda) is None
+        assert L.choice(16, 64, 32, torch.bfloat16, torch.device("cpu")) is None
+    assert not dispatch.in_graph_backends()
+
+
+def test_linear_on_cpu_is_f_linear():
+    x, w, b = torch.randn(3, 5, 32), torch.randn(64, 32), torch.randn(64)
+    assert torch.equal(L.linear(x, w, b), F.linear(x, w, b))
+    assert torch.equal(L.linear(x, w), F.linear(x, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 40])
+def test_triton_path_matches_f_linear_gpu(monkeypatch, m):
+    n, k = 4096, 1024
+    cfg = (16 if m <= 16 else 64, 32, 128, 8, 4, 3, True, False)
+    monkeypatch.setattr(L, "TABLE", {(n, k): {L.m_bucket(m): cfg}})
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    want = F.linear(x.float(), w.float(), b.float())
+    with dispatch.graph_backends():
+        assert L.choice(m, n, k, x.dtype, x.device) == cfg
+        got = L.linear(x, w, b)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=2e-2)
