@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one script run on the H200 (device tool): install (builds dflash_ops._C), info, check, the
 # GPU tests, the benchmarks. Logs and result tables go under $OUT (at most 8 files come back).
-# Usage: bash benchmarks/gpu_check.sh [probe|tests|bench|ctx|attn|sweep|cmake|all]   (all: tests + bench + ctx)
+# Usage: bash benchmarks/gpu_check.sh [build|probe|tests|bench|ctx|attn|sweep|linear|drafter|e2e|cmake|all]
+#   (all: tests + bench + ctx; build: install and info only)
 #   probe: every bad-input case through the C++ checks, one subprocess each (segfault hunt)
 #   attn:  the attention suite (BENCH_ARGS: --quick, --cases, --tables, --no-flex)
 # Set DFLASH_OPS_COMMIT (the device copy has no .git) so result files name the commit.
@@ -40,6 +41,19 @@ if [ "$what" = sweep ]; then
     for nv in 1 4; do DFLASH_OPS_NORM_LANE_VECS=$nv python3 benchmarks/sweep_norm.py --cuda-only; done
   } 2>&1 | tee "$OUT/sweep.log"
   echo "sweep: $(( $(date +%s) - t0 )) s"
+fi
+if [ "$what" = linear ]; then  # the models.linear table: cuBLAS vs the Triton GEMM per shape
+  timeout 400 python3 benchmarks/sweep_linear.py ${BENCH_ARGS:-} --write-table \
+    --out "$OUT/sweep_linear.json" 2>&1 | tee "$OUT/sweep_linear.log"
+  cp dflash_ops/models/linear_table.json "$OUT/" 2>/dev/null
+fi
+if [ "$what" = drafter ]; then
+  timeout 500 python3 benchmarks/bench_drafter.py ${BENCH_ARGS:-} --out "$OUT/results" 2>&1 \
+    | tee "$OUT/bench_drafter.log"
+fi
+if [ "$what" = e2e ]; then
+  timeout 500 python3 benchmarks/bench_e2e.py ${BENCH_ARGS:-} --out "$OUT/results" 2>&1 \
+    | tee "$OUT/bench_e2e.log"
 fi
 if [ "$what" = cmake ]; then  # the C++ library build of README's CMake section
   { cmake -S . -B /tmp/dflash-cmake \

@@ -48,6 +48,9 @@ SUITES = {
                   "block_attention, 16 queries/request over a paged bf16 cache (Hq 32, Hkv 8, "
                   "D 128; B x S up to 128 x 8192, 1 x 131072): triton / cuda vs SDPA flash / "
                   "cuDNN / efficient, FlexAttention (paged, contiguous), floor; causal / window"),
+    "drafter": ("dflash_ops.bench.drafter",
+                "one Qwen3-8B-DFlash draft step (context K/V + block + LM head + argmax), B 1-64 x "
+                "S 1k-8k, 1 x 131k: dflash reference eager vs ours eager / CUDA graph, floor"),
 }
 
 
