@@ -38,3 +38,36 @@ def commit_block(block: torch.Tensor, post: torch.Tensor, match: torch.Tensor,
     out_tokens[rows.long()[:, None], cols] = new
     last = new.gather(1, (kept - 1).clamp_min(0))
     return kept[:, 0], done[:, 0], last[:, 0]
+
+
+def greedy_commit_ref(block, post, rows, n_out, start, last, out_tokens, stop_ids, max_new: int):
+    """Greedy acceptance + commit + state update (the contract of ``triton.accept``): match =
+    leading drafts block[:, 1:] equal to post[:, :-1]; commit_block on it; n_out, start, last
+    (all [N], indexed by rows) updated in place. Returns (kept [R], done [R] bool, ctx_pos
+    [R, B]: start + j for the kept rows, -1 elsewhere)."""
+    match = (block[:, 1:] == post[:, :-1]).int().cumprod(1).sum(1)
+    st = start[rows]
+    kept, done, new_last = commit_block(block, post, match, n_out[rows], max_new, stop_ids,
+                                        out_tokens, rows)
+    j = torch.arange(block.shape[1], device=block.device)[None, :]
+    ctx_pos = torch.where(j < kept[:, None], st[:, None] + j, torch.full_like(block, -1))
+    n_out[rows] += kept
+    start[rows] = st + kept
+    last[rows] = new_last
+    return kept, done, ctx_pos
+
+
+def greedy_commit(block, post, rows, n_out, start, last, out_tokens, stop_ids, max_new: int,
+                  backend: str = "auto"):
+    """``greedy_commit_ref``'s contract in one Triton kernel (``backend="triton"``; "auto": on
+    CUDA tensors when triton is installed) or the torch ops (``"torch"``)."""
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"greedy_commit: backend must be auto, torch or triton, got {backend!r}")
+    if backend == "auto":
+        from .. import triton as _tr
+        backend = "triton" if block.is_cuda and _tr.AVAILABLE else "torch"
+    if backend == "torch":
+        return greedy_commit_ref(block, post, rows, n_out, start, last, out_tokens, stop_ids,
+                                 max_new)
+    from ..triton.accept import greedy_commit as kernel
+    return kernel(block, post, rows, n_out, start, last, out_tokens, stop_ids, max_new)

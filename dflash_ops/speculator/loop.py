@@ -44,7 +44,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from .accept import commit_block
+from .accept import commit_block, greedy_commit
 
 
 @dataclass
@@ -292,22 +292,24 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
                 resid = torch.where(mass > 0, resid / mass.clamp_min(1e-30), p[rows, match])
                 post = torch.zeros_like(block)
                 post[rows, match] = _sample(resid, generator)
-            else:
+            if sampling:
+                kept, fin, new_last = commit_block(block, post, match, n_out[ra],
+                                                   max_new_tokens, stop_t, out_tokens, ra)
+                n_out[ra] += kept
+                last[ra] = new_last
+                # the committed block rows 0..kept-1 (last token + accepted drafts) -> context
+                ctx_pos = torch.where(j_b[None, :] < kept[:, None], st[:, None] + j_b[None, :],
+                                      torch.full_like(block, -1))
+                start_t[ra] = st + kept
+            else:  # match, commit, n_out / start / last and ctx_pos: one kernel on CUDA
                 post = logits.argmax(-1) if vpost is None else vpost
-                match = (block[:, 1:] == post[:, :-1]).int().cumprod(1).sum(1)
-            kept, fin, new_last = commit_block(block, post, match, n_out[ra], max_new_tokens,
-                                               stop_t, out_tokens, ra)
-            n_out[ra] += kept
-            last[ra] = new_last
-            # the committed block rows 0..kept-1 (last token + accepted drafts) -> context
-            ctx_pos = torch.where(j_b[None, :] < kept[:, None], st[:, None] + j_b[None, :],
-                                  torch.full_like(block, -1))
+                kept, fin, ctx_pos = greedy_commit(block, post, ra, n_out, start_t, last,
+                                                   out_tokens, stop_t, max_new_tokens)
             ctx_req = ra[:, None].expand(-1, bsz).reshape(-1)
             if dstep is not None:  # added by the next draft step
                 pending = (taps, ctx_req, ctx_pos.reshape(-1))
             else:
                 drafter.add_context(taps, ctx_req, ctx_pos.reshape(-1))
-            start_t[ra] = st + kept
             flags = torch.stack([fin.long(), kept]).tolist()  # the iteration's one sync
             stats.host_syncs += 1
             t3 = time.perf_counter()
