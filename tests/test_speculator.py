@@ -18,13 +18,14 @@ from dflash_ops.speculator import plain_greedy, speculative_generate
 VOCAB, MASK, H = 97, 96, 64
 
 
-def _pair(block_size=4, seed=0, max_requests=5, device="cpu"):
+def _pair(block_size=4, seed=0, max_requests=5, device="cpu", num_blocks=64):
     tcfg = TargetConfig(hidden_size=H, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
                         intermediate_size=128, vocab_size=VOCAB, rms_norm_eps=1e-6,
                         rope_theta=10000.0, max_position_embeddings=512,
                         tie_word_embeddings=False, attention_bias=False, qk_norm=True,
                         source="<test>")
-    target = Target.random(tcfg, seed=seed, dtype=torch.float32, num_blocks=64, block_size=4,
+    target = Target.random(tcfg, seed=seed, dtype=torch.float32, num_blocks=num_blocks,
+                           block_size=4,
                            max_requests=max_requests, max_len=128, device=device)
     dcfg = DFlashConfig(hidden_size=H, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                         intermediate_size=96, vocab_size=VOCAB, mask_token_id=MASK,
@@ -32,7 +33,7 @@ def _pair(block_size=4, seed=0, max_requests=5, device="cpu"):
                         max_position_embeddings=512, source="<test>")
     drafter = DFlashDrafter(dcfg, random_drafter_state(dcfg, seed + 1),
                             embed_tokens=target.embed, lm_head=target.lm_head,
-                            dtype=torch.float32, num_blocks=64, cache_block_size=4,
+                            dtype=torch.float32, num_blocks=num_blocks, cache_block_size=4,
                             max_requests=max_requests, max_len=128, device=device)
     return target, drafter
 
@@ -57,6 +58,21 @@ def test_speculative_equals_plain_greedy(block_size, batch, steps):
     assert stats.committed == 13 * batch and stats.steps == steps
     # every slot given back (the requests' and the steps' scratch slot)
     assert (len(target.cache._free), len(drafter.cache._free)) == (free_t, free_d)
+    assert not target.cache._owned and not drafter.cache._owned
+
+
+@pytest.mark.parametrize("steps", ["direct", "static"])
+def test_batch_of_eight_ragged_block_16(steps):
+    """Eight ragged prompts, block 16: the static steps pad 8 -> bucket 8, then smaller buckets
+    as requests finish at different times (stop token + max_new_tokens)."""
+    target, drafter = _pair(16, seed=21, max_requests=9, num_blocks=160)
+    prompts = _prompts(8, seed=22)
+    free = plain_greedy(target, prompts, 30)
+    stop = [free[1][4], free[5][12]]
+    want = plain_greedy(target, prompts, 30, stop)
+    got, stats = speculative_generate(target, drafter, prompts, 30, stop, steps=steps)
+    assert got == want
+    assert len({len(o) for o in got}) > 1  # requests finished at different iterations
     assert not target.cache._owned and not drafter.cache._owned
 
 
