@@ -129,4 +129,11 @@ void block_attention_out_(const at::Tensor& q, const at::Tensor& k_cache,
                           double scale, bool causal, int64_t window,
                           const std::optional<at::Tensor>& sinks, at::Tensor& out);
 
+// dflash_spec::greedy_commit_ (csrc/accept.cu): greedy acceptance + commit of a verified block;
+// contract: dflash_ops/speculator/accept.py greedy_commit_ref. All int64 but done (bool).
+void greedy_commit_(const at::Tensor& block, const at::Tensor& post, const at::Tensor& rows,
+                    at::Tensor& n_out, at::Tensor& start, at::Tensor& last,
+                    at::Tensor& out_tokens, const at::Tensor& stop_ids, int64_t max_new,
+                    at::Tensor& kept, at::Tensor& done, at::Tensor& ctx_pos);
+
 }  // namespace dflash_ops

@@ -24,6 +24,17 @@ TORCH_LIBRARY_IMPL(dflash, CUDA, m) {
   m.impl("block_attention_out_", TORCH_FN(dflash_ops::block_attention_out_));
 }
 
+// The speculator's bookkeeping kernels: schemas here (the package calls them only when this
+// extension is loaded; dflash_ops/speculator/accept.py).
+TORCH_LIBRARY(dflash_spec, m) {
+  m.def("greedy_commit_(Tensor block, Tensor post, Tensor rows, Tensor(a!) n_out, "
+        "Tensor(b!) start, Tensor(c!) last, Tensor(d!) out_tokens, Tensor stop_ids, "
+        "int max_new, Tensor(e!) kept, Tensor(f!) done, Tensor(g!) ctx_pos) -> ()");
+}
+TORCH_LIBRARY_IMPL(dflash_spec, CUDA, m) {
+  m.impl("greedy_commit_", TORCH_FN(dflash_ops::greedy_commit_));
+}
+
 #ifdef DFLASH_OPS_PYTHON_MODULE
 // `import dflash_ops._C` runs the static registration above; the module itself is empty.
 PyMODINIT_FUNC PyInit__C(void) {

@@ -69,7 +69,7 @@ def test_torch_version_cases_cover_stops_and_cuts():
 
 def test_bad_backend():
     with pytest.raises(ValueError, match="backend must be"):
-        greedy_commit(*make_case(0), backend="cuda")
+        greedy_commit(*make_case(0), backend="gpu")
 
 
 _SCRIPT = r"""
@@ -87,6 +87,38 @@ def test_triton_kernel_under_interpreter():
     assert proc.returncode == 0 and "interp-ok" in proc.stdout, proc.stdout + proc.stderr[-3000:]
 
 
+def test_cuda_backend_without_the_extension_raises():
+    from dflash_ops import _ext
+    if _ext.load()["how"] != "absent":
+        pytest.skip("the CUDA extension is loaded here")
+    with pytest.raises(RuntimeError, match="needs the CUDA extension"):
+        greedy_commit(*make_case(0), backend="cuda")
+
+
 @pytest.mark.gpu
-def test_triton_kernel_gpu():
-    check("cuda", "triton")
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_kernels_gpu(backend):
+    check("cuda", backend)
+
+
+@pytest.mark.gpu
+def test_cuda_kernel_rejects_bad_inputs_naming_them():
+    args = make_case(0, device="cuda")
+    block, post, rows, n_out, start, last, out, stops, max_new = args
+    r, b = block.shape
+    outs = (torch.empty(r, dtype=torch.long, device="cuda"),
+            torch.empty(r, dtype=torch.bool, device="cuda"),
+            torch.empty(r, b, dtype=torch.long, device="cuda"))
+    op = torch.ops.dflash_spec.greedy_commit_
+    cases = [("post", dict(post=post[:, :-1])), ("rows", dict(rows=rows[:-1])),
+             ("start", dict(start=start[:-1])), ("block", dict(block=block.int())),
+             ("stop_ids", dict(stops=stops.float())), ("block", dict(block=torch.zeros(
+                 r, 33, dtype=torch.long, device="cuda"), post=torch.zeros(
+                 r, 33, dtype=torch.long, device="cuda")))]
+    for name, change in cases:
+        kw = dict(block=block, post=post, rows=rows, n_out=n_out, start=start, last=last,
+                  out=out, stops=stops)
+        kw.update(change)
+        with pytest.raises(ValueError, match=name):
+            op(kw["block"], kw["post"], kw["rows"], kw["n_out"], kw["start"], kw["last"],
+               kw["out"], kw["stops"], max_new, *outs)

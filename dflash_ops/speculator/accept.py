@@ -59,15 +59,36 @@ def greedy_commit_ref(block, post, rows, n_out, start, last, out_tokens, stop_id
 
 def greedy_commit(block, post, rows, n_out, start, last, out_tokens, stop_ids, max_new: int,
                   backend: str = "auto"):
-    """``greedy_commit_ref``'s contract in one Triton kernel (``backend="triton"``; "auto": on
-    CUDA tensors when triton is installed) or the torch ops (``"torch"``)."""
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"greedy_commit: backend must be auto, torch or triton, got {backend!r}")
+    """``greedy_commit_ref``'s contract in one kernel: ``"triton"`` (triton/accept.py),
+    ``"cuda"`` (``torch.ops.dflash_spec.greedy_commit_``, csrc/accept.cu, a warp a request; needs
+    the CUDA extension) or the torch ops (``"torch"``). ``"auto"``: triton on CUDA tensors when
+    installed, else torch (the CUDA kernel becomes the choice once measured on the GPU)."""
+    if backend not in ("auto", "torch", "triton", "cuda"):
+        raise ValueError(f"greedy_commit: backend must be auto, torch, triton or cuda, got "
+                         f"{backend!r}")
     if backend == "auto":
         from .. import triton as _tr
         backend = "triton" if block.is_cuda and _tr.AVAILABLE else "torch"
     if backend == "torch":
         return greedy_commit_ref(block, post, rows, n_out, start, last, out_tokens, stop_ids,
                                  max_new)
+    if backend == "cuda":
+        op = getattr(getattr(torch.ops, "dflash_spec", None), "greedy_commit_", None) \
+            if _cuda_extension_loaded() else None
+        if op is None:
+            raise RuntimeError("greedy_commit: backend 'cuda' needs the CUDA extension "
+                               "(dflash_ops._C), which is not loaded")
+        r, b = block.shape
+        kept = torch.empty(r, dtype=torch.long, device=block.device)
+        done = torch.empty(r, dtype=torch.bool, device=block.device)
+        ctx_pos = torch.empty(r, b, dtype=torch.long, device=block.device)
+        op(block.contiguous(), post.contiguous(), rows, n_out, start, last, out_tokens,
+           stop_ids, max_new, kept, done, ctx_pos)
+        return kept, done, ctx_pos
     from ..triton.accept import greedy_commit as kernel
     return kernel(block, post, rows, n_out, start, last, out_tokens, stop_ids, max_new)
+
+
+def _cuda_extension_loaded() -> bool:
+    from .. import _ext
+    return _ext.load()["how"] != "absent"
