@@ -25,7 +25,8 @@
 // may hold anything, reaches the sums). Online softmax in fp32, log2 domain (scale * log2 e).
 //
 // bf16 / fp16 (attn_mma_kernel): BM = 64 rows (4 warps x 16), BN = 64 keys (32 for D = 256).
-// Q tile and a double-buffered (K, V) stage in shared memory, filled by 16-byte cp.async
+// Q tile and S (K, V) stages in shared memory (S = 2, or 3 for D <= 128 with
+// DFLASH_OPS_ATTN_STAGES=3: loads run S - 1 tiles ahead of the math), filled by 16-byte cp.async
 // (zero-fill for hidden keys and rows past the tile); rows are XOR-swizzled by 16-byte chunk so
 // that ldmatrix is free of bank conflicts for every D. S = Q K^T and O += P V by
 // mma.sync.m16n8k16 (fp32 accumulation; ldmatrix for Q and K, ldmatrix.trans for V); P is
@@ -139,6 +140,10 @@ __device__ __forceinline__ void cp_async_commit() {
 __device__ __forceinline__ void cp_async_wait_1() {  // all but the newest group complete
   asm volatile("cp.async.wait_group 1;\n" ::: "memory");
 }
+template <int N>  // all but the newest N groups complete
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -229,16 +234,17 @@ struct LaneChunks {
   }
 };
 
-// Tile geometry of the tensor-core kernel (bf16 / fp16).
-template <int D>
+// Tile geometry of the tensor-core kernel (bf16 / fp16); S: (K, V) stages in flight.
+template <int D, int S = 2>
 struct MmaTile {
+  static constexpr int STAGES = S;
   static constexpr int BM = 64;                // rows: 4 warps x 16
   static constexpr int BN = D > 128 ? 32 : 64;  // keys a stage
   static constexpr int DC = D / 8;             // 16-byte chunks a row
   static constexpr int ROW = D * 2;            // bytes a row
   static constexpr int Q_BYTES = BM * ROW;
   static constexpr int KV_BYTES = BN * ROW;
-  static constexpr int SMEM = Q_BYTES + 4 * KV_BYTES + 2 * BN;  // Q, 2 x (K, V), key flags
+  static constexpr int SMEM = Q_BYTES + 2 * S * KV_BYTES + S * BN;  // Q, S x (K, V), key flags
   static __device__ __forceinline__ int offset(int row, int c) {
     return row * ROW + swizzle<DC>(row, c) * 16;
   }
@@ -482,17 +488,17 @@ __device__ __forceinline__ float sink_factor(const AttnParams& p, int64_t h, flo
 // Warp w owns tile rows [16w, 16w + 16); a thread (g = lane / 4, tig = lane % 4) holds rows g
 // and g + 8 of them: S columns 8n + 2tig + {0, 1} of each 8-key n-tile, O columns of each
 // 8-wide d-tile likewise (the mma.m16n8k16 accumulator layout).
-template <class E, int D>
+template <class E, int D, int S>
 __global__ void __launch_bounds__(kThreads, 2)
     attn_mma_kernel(const __grid_constant__ AttnParams p) {
-  using T = MmaTile<D>;
+  using T = MmaTile<D, S>;
   using Bits = typename E::Bits;
   constexpr bool kBF = IsBF16<E>::value;
   constexpr int BN = T::BN, NT = BN / 8, DT = D / 8;
   extern __shared__ __align__(128) char smem[];
   char* const q_s = smem;
   char* const kv_s = smem + T::Q_BYTES;  // stage s: K at 2s, V at 2s + 1 (x KV_BYTES)
-  uint8_t* const ok_s = reinterpret_cast<uint8_t*>(smem + T::Q_BYTES + 4 * T::KV_BYTES);
+  uint8_t* const ok_s = reinterpret_cast<uint8_t*>(smem + T::Q_BYTES + 2 * S * T::KV_BYTES);
   const uint32_t q_u = smem_addr(q_s), kv_u = smem_addr(kv_s);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, tig = lane & 3;
@@ -521,19 +527,26 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int n = 0; n < DT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
 
     if (nkt > 0) {  // CTA-uniform
+      // groups: Q + tile 0, then one a tile (empty past the last), S - 1 tiles ahead
       load_q_tile<E, T>(p, rq, kvh, i0, q_s);
-      load_kv_tile<E, T>(p, bt_row, kvh, start, end, kv_s, kv_s + T::KV_BYTES, ok_s);
-      cp_async_commit();
+#pragma unroll
+      for (int ps = 0; ps < S - 1; ++ps) {
+        if (ps < nkt) {
+          load_kv_tile<E, T>(p, bt_row, kvh, start + ps * BN, end, kv_s + 2 * ps * T::KV_BYTES,
+                             kv_s + (2 * ps + 1) * T::KV_BYTES, ok_s + ps * BN);
+        }
+        cp_async_commit();
+      }
       for (int kt = 0; kt < nkt; ++kt) {
-        const int st = kt & 1;
-        if (kt + 1 < nkt) {
-          const int ns = st ^ 1;
-          load_kv_tile<E, T>(p, bt_row, kvh, start + (kt + 1) * BN, end,
+        const int st = kt % S;
+        if (kt + S - 1 < nkt) {  // into the stage computed last iteration (freed by its sync)
+          const int ns = (kt + S - 1) % S;
+          load_kv_tile<E, T>(p, bt_row, kvh, start + (kt + S - 1) * BN, end,
                              kv_s + 2 * ns * T::KV_BYTES, kv_s + (2 * ns + 1) * T::KV_BYTES,
                              ok_s + ns * BN);
         }
         cp_async_commit();
-        cp_async_wait_1();
+        cp_async_wait<S - 1>();  // tile kt (and Q) landed
         __syncthreads();
         if (active) {
           const uint32_t k_u = kv_u + 2 * st * T::KV_BYTES, v_u = k_u + T::KV_BYTES;
@@ -617,7 +630,7 @@ __global__ void __launch_bounds__(kThreads, 2)
             }
           }
         }
-        __syncthreads();  // the stage is free for the load two iterations on
+        __syncthreads();  // the stage is free for the load S iterations on
       }
     }
 
@@ -996,6 +1009,26 @@ bool rows_aligned(const at::Tensor& t, std::initializer_list<int> dims) {
   return true;
 }
 
+// (K, V) stages of the tensor-core kernel: 2 (measured, the default) or 3 for D <= 128 (2 CTAs
+// an SM still fit at D = 128: 112 KB each), set by DFLASH_OPS_ATTN_STAGES=3 until measured.
+int attn_stages() {
+  static const int stages = [] {
+    const char* v = std::getenv("DFLASH_OPS_ATTN_STAGES");
+    return v != nullptr && std::string(v) == "3" ? 3 : 2;
+  }();
+  return stages;
+}
+
+template <class E, int D, int S>
+void launch_mma(const AttnParams& p, dim3 grid, cudaStream_t stream) {
+  constexpr int smem = MmaTile<D, S>::SMEM;
+  if (smem > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(attn_mma_kernel<E, D, S>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  }
+  attn_mma_kernel<E, D, S><<<grid, kThreads, smem, stream>>>(p);
+}
+
 template <class E, int D>
 void launch(const AttnParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.batch) * static_cast<unsigned>(p.hkv),
@@ -1008,12 +1041,14 @@ void launch(const AttnParams& p, cudaStream_t stream) {
     }
     attn_f32_kernel<D><<<grid, kThreads, smem, stream>>>(p);
   } else {
-    constexpr int smem = MmaTile<D>::SMEM;
-    if (smem > 48 * 1024) {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(attn_mma_kernel<E, D>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    bool launched = false;
+    if constexpr (D <= 128) {
+      if (attn_stages() == 3) {
+        launch_mma<E, D, 3>(p, grid, stream);
+        launched = true;
+      }
     }
-    attn_mma_kernel<E, D><<<grid, kThreads, smem, stream>>>(p);
+    if (!launched) launch_mma<E, D, 2>(p, grid, stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (p.splits > 1) {

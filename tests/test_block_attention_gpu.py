@@ -155,3 +155,32 @@ def test_cache_past_32bit_offsets(backend):
     del kc, vc
     assert_rule(out.cpu(), dense_attention(*args, cd=F64), dense_attention(*args, cd=BF16),
                 "block_attention past 2^31")
+
+
+_STAGES3 = r"""
+import torch
+import tests.test_triton_attention_interp as interp
+import tests.test_block_attention_gpu as t
+interp.check_block_attention("cuda", dtypes=(torch.bfloat16, torch.float16), splits_list=(1, 2),
+                             backend="cuda")
+t._check("cuda", torch.bfloat16, [4096 + 3, 1, 1000, 17], [16, 1, 16, 9], 16, 2, 4, 128,
+         use_sinks=True)
+t._check("cuda", torch.bfloat16, [1, 33, 300], [1, 16, 7], 16, 2, 4, 256, causal=True)
+print("stages3-ok")
+"""
+
+
+def test_cuda_three_stage_pipeline():
+    """DFLASH_OPS_ATTN_STAGES=3 (read once per process: a subprocess): the 3-stage (K, V)
+    pipeline of the tensor-core kernel (D <= 128; D 256 keeps 2) over the grid and a long
+    request."""
+    import os
+    import subprocess
+    import sys
+
+    _need("cuda")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _STAGES3], cwd=root, capture_output=True,
+                          text=True, timeout=900,
+                          env=dict(os.environ, DFLASH_OPS_ATTN_STAGES="3"))
+    assert proc.returncode == 0 and "stages3-ok" in proc.stdout, proc.stdout + proc.stderr[-3000:]

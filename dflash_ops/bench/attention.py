@@ -607,8 +607,11 @@ def run(quick: bool = False) -> Results:
         suffix += "-" + "-".join(f"{b}x{s}" for b, s in cases)
     if len(tables) < len(TABLES):
         suffix += "-" + "-".join(tables)
+    if os.environ.get("DFLASH_OPS_ATTN_STAGES"):  # the CUDA kernel's pipeline depth (csrc)
+        suffix += "-stages" + os.environ["DFLASH_OPS_ATTN_STAGES"]
     res = Results("attention" + suffix, floors=floors, xlabel="B*S (keys over all requests)",
-                  meta={"block_attention backends": dispatch.available_backends(OP)})
+                  meta={"block_attention backends": dispatch.available_backends(OP),
+                        "DFLASH_OPS_ATTN_STAGES": os.environ.get("DFLASH_OPS_ATTN_STAGES")})
     timing = dict(warmup_ms=10, rep_ms=40) if quick else dict(warmup_ms=25, rep_ms=100)
     with torch.no_grad():
         if "paged" in tables:
