@@ -51,7 +51,9 @@ SUITES = {
     "drafter": ("dflash_ops.bench.drafter",
                 "one Qwen3-8B-DFlash draft step (context K/V + block + LM head + argmax), B 1-64 x "
                 "S 1k-8k, 1 x 131k: dflash reference eager vs ours eager / CUDA graph, floor"),
-    "e2e": ("dflash_ops.bench.e2e", "one DFlash iteration (draft + verify graphs) vs a decode step, Qwen3-8B shapes, B 1-64 x S 1k-8k: floors, implied speedup, GPU idle, host syncs"),
+    "e2e": ("dflash_ops.bench.e2e",
+            "one DFlash iteration (draft + verify graphs) vs a decode step, Qwen3-8B shapes, "
+            "B 1-64 x S 1k-8k: floors, implied speedup, GPU idle, host syncs"),
 }
 
 
