@@ -126,6 +126,10 @@ def _debug() -> bool:
     return os.environ.get("DFLASH_OPS_DEBUG", "0") == "1"
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class _CudaOnly(dict):
     """A force that applies to CUDA tensors only (graph_backends)."""
 
@@ -192,8 +196,8 @@ def _make_router(info: OpInfo, device: str) -> Callable:
                 f"dflash.{name}: backend {backend!r} was forced but has no kernel for this op on "
                 f"{where}; available: {available_backends(name)}")
         info.validate(*args, **kwargs)
-        if info.debug_check is not None and _debug():
-            info.debug_check(*args, **kwargs)
+        if info.debug_check is not None and _debug() and not _capturing():
+            info.debug_check(*args, **kwargs)  # reads values back: not during graph capture
         return fn(*args, **kwargs)
 
     router.__name__ = f"{name}_{device}_router"

@@ -28,8 +28,6 @@ class DraftStep:
         self.drafter, self.max_batch = drafter, max_batch
         self.b = block_size or cfg.block_size
         self.scratch = scratch_request
-        # padded block rows run at positions [0, B) of this slot: nobody reads its blocks
-        drafter.cache.add_request(scratch_request, self.b)
         n_ctx = max_batch * self.b
         width = cfg.n_taps * cfg.target_hidden_size
         self.ctx_hidden = torch.zeros(n_ctx, width, dtype=drafter.dtype, device=dev)
@@ -43,6 +41,9 @@ class DraftStep:
         self.logits: Optional[torch.Tensor] = None
         self._graphs: Dict[int, torch.cuda.CUDAGraph] = {}
         self._outs: Dict[int, tuple] = {}
+        # padded block rows run at positions [0, B) of this slot: nobody reads its blocks (taken
+        # last, so a failure above leaves the cache as it was)
+        drafter.cache.add_request(scratch_request, self.b)
 
     def bucket(self, n: int) -> int:
         """The padded batch size for n requests: the next power of two, at most max_batch."""
@@ -92,7 +93,7 @@ class DraftStep:
         """Record the step for ``bucket`` in a CUDA graph (inputs: the static buffers). The
         warm-up before capture runs the step once for real on the loaded inputs (its cache
         writes are the ones a replay repeats, so load the step's inputs first)."""
-        with dispatch.graph_backends():
+        with dispatch.graph_backends(), torch.cuda.device(self.drafter.device):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up: compiles, autotunes, fills caches

@@ -75,7 +75,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     cfg = choice(x2.shape[0], w.shape[0], w.shape[1], x.dtype, x.device) if x2.shape[0] else None
-    if cfg is None:
+    if cfg is None or w.dtype != x.dtype or (b is not None and b.dtype != x.dtype):
         return F.linear(x, w, b)
     from ..triton.context import ProjCfg, launch_proj
 

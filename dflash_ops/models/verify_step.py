@@ -23,13 +23,13 @@ class VerifyStep:
         self.target, self.max_batch, self.b = target, max_batch, block_size
         self.tap_layers = list(tap_layers)
         self.scratch = scratch_request
-        target.add_request(scratch_request, block_size)
         self.ids = torch.zeros(max_batch, block_size, dtype=torch.long, device=dev)
         self.requests = torch.full((max_batch,), scratch_request, dtype=torch.long, device=dev)
         self.start = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.q_lens = torch.full((max_batch,), block_size, dtype=torch.long, device=dev)
         self._graphs: Dict[int, torch.cuda.CUDAGraph] = {}
         self._outs: Dict[int, tuple] = {}
+        target.add_request(scratch_request, block_size)  # last: a failure above changes nothing
 
     def bucket(self, n: int) -> int:
         if not 0 < n <= self.max_batch:
@@ -66,7 +66,7 @@ class VerifyStep:
 
     def capture(self, bucket: int) -> None:
         """Record the step for ``bucket`` (the warm-up runs it once on the loaded inputs)."""
-        with dispatch.graph_backends():
+        with dispatch.graph_backends(), torch.cuda.device(self.target.device):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):

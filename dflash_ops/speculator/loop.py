@@ -65,7 +65,7 @@ class Stats:
 
 def _sync(device):
     if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
 
 
 def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
@@ -332,9 +332,7 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
     finally:
         for r in list(owned):
             release(r)
-        if dstep is not None:
+        if dstep is not None:  # each step took its scratch slot as its constructor's last act
             drafter.cache.free_request(n)
         if vstep is not None:
             target.free_request(n)
-        elif dstep is None and n in getattr(drafter.cache, "_owned", {}) and steps != "direct":
-            drafter.cache.free_request(n)  # DraftStep took the slot, VerifyStep failed

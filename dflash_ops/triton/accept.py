@@ -60,6 +60,14 @@ def greedy_commit(block, post, rows, n_out, start, last, out_tokens, stop_ids, m
     bool, ctx_pos [R, B] int64)."""
     r, b = block.shape
     dev = block.device
+    for name, t in (("rows", rows), ("n_out", n_out), ("start", start), ("last", last),
+                    ("stop_ids", stop_ids)):
+        if t.dtype != torch.long or t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"greedy_commit: {name} must be a contiguous 1-D int64 tensor, got "
+                             f"{t.dtype} {list(t.shape)} strides {list(t.stride())}")
+    if out_tokens.dtype != torch.long or out_tokens.stride(1) != 1:
+        raise ValueError(f"greedy_commit: out_tokens must be int64 with unit column stride, got "
+                         f"{out_tokens.dtype} strides {list(out_tokens.stride())}")
     kept = torch.empty(r, dtype=torch.long, device=dev)
     done = torch.empty(r, dtype=torch.int8, device=dev)
     ctx_pos = torch.empty(r, b, dtype=torch.long, device=dev)
