@@ -349,20 +349,13 @@ def test_validate_fc():
 
 # ------------------------------------------------------------------------------ real shapes
 def qwen3_8b_dflash_b16() -> dict:
-    """Qwen3-8B-DFlash-b16's config.json, as shipped (z-lab format)."""
-    return {
-        "architectures": ["DFlashDraftModel"], "attention_bias": False, "attention_dropout": 0.0,
-        "block_size": 16, "bos_token_id": 151643, "eos_token_id": 151645,
-        "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
-        "dtype": "bfloat16", "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
-        "initializer_range": 0.02, "intermediate_size": 12288,
-        "layer_types": ["full_attention"] * 5, "max_position_embeddings": 40960,
-        "max_window_layers": 5, "model_type": "qwen3", "num_attention_heads": 32,
-        "num_hidden_layers": 5, "num_key_value_heads": 8, "num_target_layers": 36,
-        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
-        "sliding_window": None, "tie_word_embeddings": False, "use_cache": True,
-        "use_sliding_window": False, "vocab_size": 151936,
-    }
+    """Qwen3-8B-DFlash-b16's config.json, as shipped (z-lab format; kept once, beside the
+    drafter benchmark that uses it)."""
+    import copy
+
+    from dflash_ops.bench.drafter import QWEN3_8B_DFLASH
+
+    return copy.deepcopy(QWEN3_8B_DFLASH)
 
 
 def qwen38_27b_dflash2(non_causal_key="is_causal") -> dict:

@@ -95,7 +95,8 @@ import torch.nn.functional as F
 from .columns import msg
 from .harness import Results, floor_us, measure_floors, time_fn
 
-# Qwen3-8B-DFlash-b16's config.json, as shipped (z-lab format; tests/test_models_config.py).
+# Qwen3-8B-DFlash-b16's config.json, as shipped (z-lab format; tests/test_models_config.py
+# parses it, bench/e2e.py builds its drafter from it).
 QWEN3_8B_DFLASH = {
     "architectures": ["DFlashDraftModel"], "attention_bias": False, "attention_dropout": 0.0,
     "block_size": 16, "bos_token_id": 151643, "eos_token_id": 151645,

@@ -133,13 +133,10 @@ def qwen3_8b_target_config():
 
 def qwen3_8b_dflash_config():
     from ..models.config import DFlashConfig
+    from .drafter import QWEN3_8B_DFLASH  # the shipped config.json
 
-    return DFlashConfig(hidden_size=4096, num_layers=5, num_heads=32, num_kv_heads=8,
-                        head_dim=128, intermediate_size=12288, vocab_size=151936,
-                        mask_token_id=151669, target_layer_ids=[1, 9, 17, 25, 33],
-                        rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
-                        block_size=BLOCK, num_target_layers=36, target_hidden_size=4096,
-                        source="<Qwen3-8B-DFlash-b16 shape, random weights>")
+    cfg = DFlashConfig.from_dict(QWEN3_8B_DFLASH, source="<Qwen3-8B-DFlash-b16, random weights>")
+    return cfg if cfg.block_size == BLOCK else cfg.replace(block_size=BLOCK)
 
 
 # ----------------------------------------------------------------------------- cases

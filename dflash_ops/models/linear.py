@@ -4,7 +4,7 @@
 ``dispatch.graph_backends()`` (CUDA-graph warm-up and capture: an eager Triton launch costs
 65-120 us of host time, more than these GEMMs take on the GPU), it looks up the GEMM's shape
 (N, K) and the bucket of M (rows) in ``TABLE`` and runs the Triton GEMM of ``kv_proj``
-(``triton.context.launch_proj``) with the recorded launch config where a sweep measured it
+(``triton.context.kv_proj``) with the recorded launch config where a sweep measured it
 faster than cuBLAS; everywhere else it is ``F.linear``.
 
 ``TABLE`` comes from ``linear_table.json`` next to this file, written by
@@ -77,10 +77,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -
     cfg = choice(x2.shape[0], w.shape[0], w.shape[1], x.dtype, x.device) if x2.shape[0] else None
     if cfg is None or w.dtype != x.dtype or (b is not None and b.dtype != x.dtype):
         return F.linear(x, w, b)
-    from ..triton.context import ProjCfg, launch_proj
+    from ..triton.context import ProjCfg, kv_proj
 
-    out = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
-    launch_proj(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, b, out, ProjCfg(*cfg))
+    out = kv_proj(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, b, cfg=ProjCfg(*cfg))
     return out.view(*lead, w.shape[0])
 
 

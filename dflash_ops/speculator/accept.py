@@ -40,12 +40,11 @@ def commit_block(block: torch.Tensor, post: torch.Tensor, match: torch.Tensor,
     return kept[:, 0], done[:, 0], last[:, 0]
 
 
-def greedy_commit_ref(block, post, rows, n_out, start, last, out_tokens, stop_ids, max_new: int):
-    """Greedy acceptance + commit + state update (the contract of ``triton.accept``): match =
-    leading drafts block[:, 1:] equal to post[:, :-1]; commit_block on it; n_out, start, last
-    (all [N], indexed by rows) updated in place. Returns (kept [R], done [R] bool, ctx_pos
-    [R, B]: start + j for the kept rows, -1 elsewhere)."""
-    match = (block[:, 1:] == post[:, :-1]).int().cumprod(1).sum(1)
+def commit_update(block, post, match, rows, n_out, start, last, out_tokens, stop_ids,
+                  max_new: int):
+    """commit_block with the per-request state updated in place: n_out, start, last (all [N],
+    indexed by rows). Returns (kept [R], done [R] bool, ctx_pos [R, B]: start + j for the kept
+    rows, -1 elsewhere: the verify rows that become the drafter's context)."""
     st = start[rows]
     kept, done, new_last = commit_block(block, post, match, n_out[rows], max_new, stop_ids,
                                         out_tokens, rows)
@@ -55,6 +54,14 @@ def greedy_commit_ref(block, post, rows, n_out, start, last, out_tokens, stop_id
     start[rows] = st + kept
     last[rows] = new_last
     return kept, done, ctx_pos
+
+
+def greedy_commit_ref(block, post, rows, n_out, start, last, out_tokens, stop_ids, max_new: int):
+    """Greedy acceptance + commit + state update (the contract of ``triton.accept``): match =
+    leading drafts block[:, 1:] equal to post[:, :-1], then ``commit_update``."""
+    match = (block[:, 1:] == post[:, :-1]).int().cumprod(1).sum(1)
+    return commit_update(block, post, match, rows, n_out, start, last, out_tokens, stop_ids,
+                         max_new)
 
 
 def greedy_commit(block, post, rows, n_out, start, last, out_tokens, stop_ids, max_new: int,

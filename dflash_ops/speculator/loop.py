@@ -44,7 +44,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from .accept import commit_block, greedy_commit
+from .accept import commit_update, greedy_commit
 
 
 @dataclass
@@ -222,7 +222,6 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
             if done[r]:
                 release(r)
         committed = n
-        j_b = torch.arange(bsz, device=dev)
         on_cuda = torch.device(dev).type == "cuda"
 
         def sync():
@@ -292,15 +291,8 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
                 resid = torch.where(mass > 0, resid / mass.clamp_min(1e-30), p[rows, match])
                 post = torch.zeros_like(block)
                 post[rows, match] = _sample(resid, generator)
-            if sampling:
-                kept, fin, new_last = commit_block(block, post, match, n_out[ra],
-                                                   max_new_tokens, stop_t, out_tokens, ra)
-                n_out[ra] += kept
-                last[ra] = new_last
-                # the committed block rows 0..kept-1 (last token + accepted drafts) -> context
-                ctx_pos = torch.where(j_b[None, :] < kept[:, None], st[:, None] + j_b[None, :],
-                                      torch.full_like(block, -1))
-                start_t[ra] = st + kept
+                kept, fin, ctx_pos = commit_update(block, post, match, ra, n_out, start_t,
+                                                   last, out_tokens, stop_t, max_new_tokens)
             else:  # match, commit, n_out / start / last and ctx_pos: one kernel on CUDA
                 post = logits.argmax(-1) if vpost is None else vpost
                 kept, fin, ctx_pos = greedy_commit(block, post, ra, n_out, start_t, last,
