@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script run on the H200 (device tool): install (builds dflash_ops._C), info, check, the
 # GPU tests, the benchmarks. Logs and result tables go under $OUT (at most 8 files come back).
-# Usage: bash benchmarks/gpu_check.sh [build|probe|tests|bench|ctx|attn|sweep|linear|drafter|e2e|cmake|all]
+# Usage: bash benchmarks/gpu_check.sh [build|probe|tests|bench|ctx|attn|sweep|linear|drafter|e2e|profile|cmake|all]
 #   (all: tests + bench + ctx; build: install and info only)
 #   probe: every bad-input case through the C++ checks, one subprocess each (segfault hunt)
 #   attn:  the attention suite (BENCH_ARGS: --quick, --cases, --tables, --no-flex)
@@ -24,7 +24,7 @@ echo "install: $(( $(date +%s) - t0 )) s"
 { python3 -m dflash_ops info; python3 -m dflash_ops check; } 2>&1 | tee "$OUT/info_check.log"
 rc=0
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  timeout 400 python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=10 tests 2>&1 \
+  timeout 460 python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=10 tests 2>&1 \
     | tee "$OUT/pytest_gpu.log"
   rc=${PIPESTATUS[0]}
   echo "tests: $(( $(date +%s) - t0 )) s"
@@ -54,6 +54,9 @@ fi
 if [ "$what" = e2e ]; then
   timeout 500 python3 benchmarks/bench_e2e.py ${BENCH_ARGS:-} --out "$OUT/results" 2>&1 \
     | tee "$OUT/bench_e2e.log"
+fi
+if [ "$what" = profile ]; then  # kernel tables of the drafter / verify / decode steps
+  timeout 400 python3 benchmarks/profile_step.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/profile.log"
 fi
 if [ "$what" = cmake ]; then  # the C++ library build of README's CMake section
   { cmake -S . -B /tmp/dflash-cmake \

@@ -986,14 +986,28 @@ int sm_count(int device) {
   return n;
 }
 
+// Keys a split at least: 64 (one BN tile), or DFLASH_OPS_ATTN_SPLIT_KEYS (64..4096). Below ~8k
+// keys with few (request, KV head) pairs a CTA is latency-bound (one tile in flight), so more
+// splits of fewer tiles each run faster; 256 was the first choice (12.7 us a decode layer at
+// 1k keys, B 1, against a 1 us floor).
+int64_t min_split_keys() {
+  static const int64_t keys = [] {
+    const char* v = std::getenv("DFLASH_OPS_ATTN_SPLIT_KEYS");
+    const int64_t n = v != nullptr ? std::atoll(v) : 64;
+    return std::min<int64_t>(4096, std::max<int64_t>(64, n));
+  }();
+  return keys;
+}
+
 // Splits of each tile's key range, from shapes only: B * Hkv * splits fills the GPU about
-// twice, at least 256 keys (max_blocks * block_size) a split, and the fp32 partial buffer of
-// splits x Tq x Hq x (D + 1) stays within 256 MiB.
+// twice, at least min_split_keys() keys (of max_blocks * block_size) a split, and the fp32
+// partial buffer of splits x Tq x Hq x (D + 1) stays within 256 MiB.
 int choose_splits(int64_t bh, int64_t max_keys, int64_t rows, int64_t d, int sms) {
   constexpr int64_t kPartialBytes = int64_t{256} << 20;
+  const int64_t per = min_split_keys();
   int64_t s = kMaxSplits;
   s = std::min(s, (2 * static_cast<int64_t>(sms) + bh - 1) / std::max<int64_t>(bh, 1));
-  s = std::min(s, (max_keys + 255) / 256);
+  s = std::min(s, (max_keys + per - 1) / per);
   s = std::min(s, kPartialBytes / std::max<int64_t>(rows * (d + 1) * 4, 1));
   return static_cast<int>(std::max<int64_t>(s, 1));
 }

@@ -47,6 +47,22 @@ def test_padded_step_equals_direct_calls():
         assert torch.equal(got_t[:3], want_t)
 
 
+def test_propose_runs_no_batched_gemm():
+    """The LM head over the mask rows of R blocks is one GEMM, not R (each reading the LM head)."""
+    from torch.profiler import profile
+
+    drafter = _fresh_pair()
+    ctx, req, pos, ids, reqs, start = _inputs(drafter, 0, 3, torch.Generator().manual_seed(1))
+    drafter.add_context(ctx, req, pos)
+    with profile(record_shapes=True) as prof:
+        drafter.propose(ids, reqs, start)
+    v = drafter.cfg.vocab_size
+    head = [(e.key, e.input_shapes) for e in prof.key_averages(group_by_input_shape=True)
+            if any(v in shape for shape in e.input_shapes if isinstance(shape, list))
+            and e.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")]
+    assert head and all(k in ("aten::mm", "aten::addmm") for k, _ in head), head
+
+
 def test_load_rejects_bad_sizes():
     runner = DraftStep(_fresh_pair(), max_batch=2, scratch_request=3)
     ctx, req, pos, ids, reqs, start = _inputs(runner.drafter, 0, 3, torch.Generator())

@@ -109,6 +109,43 @@ def test_steps_need_a_spare_request_slot():
     assert got == plain_greedy(target, prompts, 5)
 
 
+def test_auto_steps_on_cpu_are_direct():
+    target, drafter = _pair(4, seed=1)
+    prompts = _prompts(2, seed=2)
+    got, stats = speculative_generate(target, drafter, prompts, 5)
+    assert stats.steps == "direct" and got == plain_greedy(target, prompts, 5)
+
+
+def test_auto_steps_fall_back_to_direct_without_room(monkeypatch):
+    """Where graphs are available, "auto" picks them only with a spare request slot, and falls
+    back to direct calls (leaking no slot) when the spare slot finds no free blocks."""
+    from dflash_ops.speculator import loop
+
+    calls = []
+
+    class Refuse:  # stands in for the step classes: the spare slot's blocks are not there
+        def __init__(self, *a, **k):
+            calls.append(k)
+            raise RuntimeError("PagedKVCache.add_request: 1 blocks needed, 0 free")
+
+    monkeypatch.setattr(loop, "_graphs_available", lambda dev: True)
+    monkeypatch.setattr("dflash_ops.models.draft_step.DraftStep", Refuse)
+    prompts = _prompts(2, seed=2)
+    # no spare slot (max_requests == batch): direct, the steps never constructed
+    target, drafter = _pair(4, seed=1, max_requests=2)
+    got, stats = speculative_generate(target, drafter, prompts, 5)
+    assert stats.steps == "direct" and not calls and got == plain_greedy(target, prompts, 5)
+    # a spare slot, but its step cannot take it: direct, nothing left allocated
+    target, drafter = _pair(4, seed=1, max_requests=3)
+    got, stats = speculative_generate(target, drafter, prompts, 5)
+    assert stats.steps == "direct" and len(calls) == 1
+    assert got == plain_greedy(target, prompts, 5)
+    assert not target.cache._owned and not drafter.cache._owned
+    # an explicit steps= still raises
+    with pytest.raises(ValueError, match="spare request slot"):
+        speculative_generate(target, drafter, prompts, 5, steps="static")
+
+
 def test_steps_argument_checked():
     target, drafter = _pair(4, seed=1)
     with pytest.raises(ValueError, match="steps must be"):
@@ -148,6 +185,9 @@ def test_graphed_loop_equals_plain_greedy_gpu(batch, block_size):
     buckets = int(math.log2(batch)) + 2  # at most: 8, 4, 2, 1 (or n itself when n < 2^k)
     assert stats.host_syncs <= stats.iterations + 1 + 2 * buckets  # + one a graph captured
     assert not target.cache._owned and not drafter.cache._owned
+    if batch == 3:  # the default on CUDA: graphs where the caches have the spare slot
+        got, stats = speculative_generate(target, drafter, prompts, 24, stop, time_stages=False)
+        assert stats.steps == "graphs" and got == want
 
 
 class _ScriptedDrafter:

@@ -72,15 +72,20 @@ def choice(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> 
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x @ w^T + b`` as one 2-D GEMM over the rows of x (any leading shape). A leading shape
+    that does not flatten to rows without a copy (e.g. ``h.view(R, B, H)[:, 1:]``) is copied
+    first: ``F.linear`` would run it as a batched GEMM that reads w once per leading index
+    (measured: the drafter's LM head at batch 8 took 2.4 ms instead of 0.3 ms)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] and x2.stride(-1) != 1:
+        x2 = x2.contiguous()
     cfg = choice(x2.shape[0], w.shape[0], w.shape[1], x.dtype, x.device) if x2.shape[0] else None
     if cfg is None or w.dtype != x.dtype or (b is not None and b.dtype != x.dtype):
-        return F.linear(x, w, b)
+        return F.linear(x2, w, b).view(*lead, w.shape[0])
     from ..triton.context import ProjCfg, kv_proj
 
-    out = kv_proj(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, b, cfg=ProjCfg(*cfg))
-    return out.view(*lead, w.shape[0])
+    return kv_proj(x2, w, b, cfg=ProjCfg(*cfg)).view(*lead, w.shape[0])
 
 
 def describe() -> List[str]:

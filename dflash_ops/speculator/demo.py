@@ -159,7 +159,7 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", choices=["auto", "direct", "static", "graphs"], default="auto",
                    help="the loop's draft/verify calls: direct, static-buffer steps, or those "
-                        "steps captured as CUDA graphs (auto: direct for now)")
+                        "steps captured as CUDA graphs (auto: graphs on CUDA, else direct)")
     p.add_argument("--no-stage-times", action="store_true",
                    help="no synchronisation per stage (one host sync an iteration; the time "
                         "per stage is then launch time only)")

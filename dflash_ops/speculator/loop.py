@@ -23,8 +23,9 @@ from normalise(max(p - q, 0)); after B-1 acceptances the bonus is drawn from p. 
 has the target's distribution exactly (tests/test_speculator.py checks it with a chi-square
 test).
 
-Steps (``steps="graphs"``, to become the default on CUDA once run there; ``"static"`` runs the same path without capture,
-the CPU test of it; ``"direct"`` the plain calls): the draft step (``models.draft_step``) takes
+Steps (``steps="graphs"``, the default on CUDA (``"auto"``) where the caches have the spare slot
+below; ``"static"`` runs the same path without capture, the CPU test of it; ``"direct"`` the plain
+calls): the draft step (``models.draft_step``) takes
 the previous iteration's committed rows as its context precompute and runs the block forward +
 LM head + argmax; the verify step (``models.verify_step``) runs the target on the block. Both
 work on static buffers padded to a bucket (the next power of two of the active requests, at most
@@ -131,6 +132,11 @@ def plain_greedy(target, prompts: Sequence[Sequence[int]], max_new_tokens: int,
             target.free_request(r)
 
 
+def _graphs_available(device) -> bool:
+    """Whether steps="auto" may capture CUDA graphs on this device (tests patch it)."""
+    return torch.device(device).type == "cuda"
+
+
 def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                        stop_token_ids: Sequence[int] = (), block_size: Optional[int] = None,
                        on_iteration: Optional[Callable[[int], None]] = None,
@@ -144,7 +150,8 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
     time it (Stats.seconds); off, the loop's only device-to-host read is the done flags and
     committed counts once an iteration (and the active index list is uploaded only when a
     request finishes). ``steps``: "direct", "static" or "graphs" (module docstring); "auto" is
-    "direct" for now (the graphed loop has not yet run on a GPU)."""
+    "graphs" on CUDA when both caches have a spare request slot (max_requests > batch) with
+    room for one block, else "direct" (Stats.steps says which ran)."""
     sampling = temperature > 0
     if sampling:
         probs_from_logits(torch.zeros(1), temperature, top_p, top_k)  # validates the arguments
@@ -156,12 +163,15 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
     bsz = block_size or cfg.block_size
     if bsz < 2:
         raise ValueError(f"speculative_generate: block_size must be >= 2, got {bsz}")
-    if steps == "auto":  # "graphs" on CUDA once tests/test_speculator.py's GPU test has passed
-        steps = "direct"
+    auto = steps == "auto"
+    if auto:  # graphs on CUDA where both caches have the steps' spare slot; else direct calls
+        n_req = len(prompts)
+        spare = all(c.block_table.shape[0] > n_req for c in (target.cache, drafter.cache))
+        steps = "graphs" if _graphs_available(dev) and spare else "direct"
     if steps not in ("direct", "static", "graphs"):
         raise ValueError(f"speculative_generate: steps must be 'auto', 'direct', 'static' or "
                          f"'graphs', got {steps!r}")
-    if steps == "graphs" and torch.device(dev).type != "cuda":
+    if steps == "graphs" and not _graphs_available(dev):
         raise ValueError(f"speculative_generate: steps='graphs' needs a CUDA device, the "
                          f"target is on {dev}")
     stop = set(stop_token_ids)
@@ -190,10 +200,16 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
                 vstep = VerifyStep(target, max_batch=n, block_size=bsz,
                                    tap_layers=cfg.target_layer_ids, scratch_request=n)
             except (ValueError, RuntimeError) as e:
-                raise ValueError(f"speculative_generate(steps={steps!r}): the steps need a "
-                                 f"spare request slot ({n}, past the batch of {n}) with "
-                                 f"{bsz} positions in both caches (max_requests >= {n + 1}); "
-                                 f"or use steps='direct'. Cause: {e}") from e
+                if auto:  # no room for the scratch slot (e.g. no free blocks): direct calls
+                    if dstep is not None:
+                        drafter.cache.free_request(n)
+                    dstep = vstep = None
+                    steps = stats.steps = "direct"
+                else:
+                    raise ValueError(f"speculative_generate(steps={steps!r}): the steps need "
+                                     f"a spare request slot ({n}, past the batch of {n}) with "
+                                     f"{bsz} positions in both caches (max_requests >= "
+                                     f"{n + 1}); or use steps='direct'. Cause: {e}") from e
         t0 = time.perf_counter()
         first_logits, taps = _prefill(target, prompts, cfg.target_layer_ids)
         first = (_sample(probs_from_logits(first_logits, temperature, top_p, top_k), generator)
