@@ -69,13 +69,14 @@ read ~35 MB); larger K/V stream from HBM anyway and use one set.
 Environment: ``DFLASH_OPS_BENCH_ATTN_CASES`` (comma-separated ``BxS``, S a multiple of 16; e.g.
 ``1x131072,128x8192``) replaces the shapes of the paged table, ``DFLASH_OPS_BENCH_ATTN_TABLES``
 (``paged``, ``masks``) picks tables, ``DFLASH_OPS_BENCH_ATTN_FLEX=0`` drops the Flex columns (the
-compiles are most of the run time). A restricted run writes ``attention-<...>.md/json/png`` so
+compiles are most of the run time), ``DFLASH_OPS_BENCH_ATTN_HEAD_MAJOR=0`` drops the layout-test
+column (our CUDA kernel on head-major copies of the caches, +4.3 GB at (128, 8192)). A
+restricted run writes ``attention-<...>.md/json/png`` so
 it never overwrites a full run's files. ``benchmarks/bench_attention.py --cases --tables
 --no-flex`` set them.
 
-Run time on the H200 (measured 2026-11-29: the paged table, 5 shapes, no Flex, ~40 s; the rest
-estimated): floors ~5 s; per shape ~1 s of inputs and
-reference, the Triton JIT of our kernel (a few s per new SPLITS / mode), ~1-3 s of timing per
+Run time on the H200 (measured 2026-11-29: the paged table, 5 shapes, no Flex, ~40 s; the full
+run with Flex, warm, 106 s): floors ~5 s; per shape ~1 s of inputs and reference, the Triton JIT of our kernel (a few s per new SPLITS / mode), ~1-3 s of timing per
 column (10 columns + the floor; (128, 8192) moves 4.3 GB a call, ~1 ms at the floor, slower
 columns up to ~10 ms a call x 32 a graph), and two Flex compiles (Inductor's flex decoding
 template), guessed at 15-40 s each in a cold cache: ~1-1.5 minutes a shape. Full run (7 shapes
@@ -257,6 +258,29 @@ def ours(case: Case, backend: str, causal=False, window=-1) -> Col:
 
     impl = forced(OP, backend, fn, None)
     return Col(f"ours {backend}", fn, ctx=impl.ctx, missing=impl.missing)
+
+
+def head_major(c: torch.Tensor) -> torch.Tensor:
+    """The same cache values stored [blocks, Hkv, 16, D] (each head's 16 rows one 4 KB run),
+    viewed as the op's [blocks, 16, Hkv, D] (strided)."""
+    return c.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def ours_head_major(case: Case, backend: str = "cuda") -> Col:
+    """A layout test: our kernel on head-major copies of each set's caches. In the shipped
+    layout a 64-key tile of one KV head is 64 runs of 256 bytes, 2 KB apart (the other heads'
+    rows in between, read by other CTAs at other times); here it is 4 runs of 4 KB."""
+    bt, sl, qsl = case.block_table, case.seq_lens, case.qsl
+    copies = {id(st[1]): (head_major(st[1]), head_major(st[2])) for st in case.sets}
+
+    def fn(q, kc, vc, *rest):
+        hk, hv = copies[id(kc)]
+        return torch.ops.dflash.block_attention.default(q, hk, hv, bt, sl, qsl, SCALE, False, -1,
+                                                        None)
+
+    impl = forced(OP, backend, fn, None)
+    return Col(f"ours {backend}, head-major cache", fn, ctx=impl.ctx, missing=impl.missing,
+               note="layout test: cache stored [blocks, Hkv, 16, D], same values")
 
 
 def _sdpa_api():
@@ -452,6 +476,8 @@ def run_table(res: Results, title: str, label: str, case: Case, cols, want, timi
 
 def _paged_cols(case: Case) -> list:
     cols = [ours(case, "triton"), ours(case, "cuda")]
+    if os.environ.get("DFLASH_OPS_BENCH_ATTN_HEAD_MAJOR", "1") != "0":
+        cols.append(ours_head_major(case))
     for backend, _ in SDPA_BACKENDS:
         cols += [sdpa(backend, "heads"), sdpa(backend, "rows")]
     return cols + [flex_paged(case), flex_contiguous()]
