@@ -7,6 +7,8 @@ iteration, one always wrong commits 1, one wrong at a known offset k commits k +
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -236,6 +238,7 @@ def test_demo_command_runs_and_matches_plain_greedy(capsys):
     assert rc == 0, out
     assert "output equals plain greedy decoding: yes" in out
     assert "acceptance length" in out and "tokens/s" in out
+    assert re.search(r"^steps +direct$", out, re.M), out  # "auto" resolved: direct on CPU
 
 
 def _small_vocab_pair(vocab=4, block_size=4, requests=16):

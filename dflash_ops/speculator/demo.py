@@ -127,6 +127,7 @@ def run(args) -> int:
     print(f"{'tokens':24} {total:>14} {st.committed:>14}")
     print(f"{'seconds':24} {t_plain:>14.3f} {t_spec:>14.3f}")
     print(f"{'tokens/s':24} {total / t_plain:>14.1f} {st.committed / t_spec:>14.1f}")
+    print(f"{'steps':24} {'':>14} {st.steps:>14}")
     print(f"{'iterations':24} {'':>14} {st.iterations:>14}")
     print(f"{'host syncs / iteration':24} {'':>14} "
           f"{st.host_syncs / max(1, st.iterations):>14.2f}")
