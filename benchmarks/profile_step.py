@@ -21,9 +21,10 @@ STEPS = 3
 
 
 def table(prof, rows: int, title: str) -> None:
+    # kernels only (device events): CPU ops (aten::mm, dflash::...) also carry their kernels'
+    # device time and would count it twice
     evs = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA
-           or getattr(e, "self_device_time_total", 0) > 0]
-    evs = [e for e in evs if e.self_device_time_total > 0]
+           and e.self_device_time_total > 0]
     evs.sort(key=lambda e: -e.self_device_time_total)
     total = sum(e.self_device_time_total for e in evs) / STEPS
     print(f"\n== {title}: GPU time {total:.1f} us a step (sum of kernel self times)")

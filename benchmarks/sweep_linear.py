@@ -133,8 +133,11 @@ def main():
     if a.write_table:
         from dflash_ops.models import linear as L
 
-        keep = [e for e in entries if e["cfg"] is not None and e["triton_us"] < e["cublas_us"]
-                and e["m"] in L.M_BUCKETS]
+        # a Triton entry needs a 2% win (a tie is noise: cuBLAS stays)
+        keep = [e for e in entries if e["cfg"] is not None
+                and e["triton_us"] < 0.98 * e["cublas_us"] and e["m"] in L.M_BUCKETS]
+        for e in keep:
+            e["measured"] = f"{doc['env'].get('date')} {doc['env'].get('commit')}"
         # (N, K, M) not measured in this run keep their entry from the table on disk
         done = {(e["n"], e["k"], e["m"]) for e in entries}
         old = (json.loads(L.TABLE_PATH.read_text()).get("entries", [])

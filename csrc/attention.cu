@@ -986,14 +986,17 @@ int sm_count(int device) {
   return n;
 }
 
-// Keys a split at least: 128 (two BN tiles), or DFLASH_OPS_ATTN_SPLIT_KEYS (64..4096). Below
+// Keys a split at least: 128 (two 64-key tiles at D <= 128), or DFLASH_OPS_ATTN_SPLIT_KEYS
+// (64..4096; unparsable: 128). Below
 // ~8k keys with few (request, KV head) pairs a CTA is latency-bound, so more splits of fewer
 // tiles run faster. Measured (H200, B 1, 16 queries, Hq 32 / Hkv 8, D 128, 1024 keys): 256
 // keys 14.7 us, 128 keys 11.6 us, 64 keys 12.2 us; 8192 keys: 27.7-27.9 us for all three.
 int64_t min_split_keys() {
   static const int64_t keys = [] {
     const char* v = std::getenv("DFLASH_OPS_ATTN_SPLIT_KEYS");
-    const int64_t n = v != nullptr ? std::atoll(v) : 128;
+    char* end = nullptr;
+    const int64_t parsed = v != nullptr ? std::strtoll(v, &end, 10) : 0;
+    const int64_t n = v != nullptr && end != v && *end == '\0' ? parsed : 128;
     return std::min<int64_t>(4096, std::max<int64_t>(64, n));
   }();
   return keys;

@@ -68,11 +68,11 @@ def _gemm_ops(fn) -> set:
 def test_strided_rows_run_one_gemm(bias):
     """Rows that do not flatten without a copy (the drafter's mask rows h.view(R, B, H)[:, 1:]):
     F.linear runs them as a batched GEMM reading w once per leading index (2.4 ms instead of
-    0.3 ms for the LM head at batch 8 on the H200); linear copies them into one 2-D GEMM."""
+    0.3 ms for the LM head at batch 8 on the H200, torch 2.11); linear copies them into one 2-D
+    GEMM."""
     h = torch.randn(4, 16, 32)
     x, w = h[:, 1:], torch.randn(64, 32)
     b = torch.randn(64) if bias else None
-    assert _gemm_ops(lambda: F.linear(x, w, b)) & {"aten::bmm", "aten::baddbmm"}  # the trap
     ops = _gemm_ops(lambda: L.linear(x, w, b))
     assert ops and not ops & {"aten::bmm", "aten::baddbmm"}, ops
     torch.testing.assert_close(L.linear(x, w, b), F.linear(x, w, b))

@@ -143,6 +143,16 @@ def test_auto_steps_fall_back_to_direct_without_room(monkeypatch):
     assert stats.steps == "direct" and len(calls) == 1
     assert got == plain_greedy(target, prompts, 5)
     assert not target.cache._owned and not drafter.cache._owned
+    # the real DraftStep takes the drafter's spare slot, then the verify step is refused: the
+    # drafter's slot is given back
+    monkeypatch.undo()
+    monkeypatch.setattr(loop, "_graphs_available", lambda dev: True)
+    monkeypatch.setattr("dflash_ops.models.verify_step.VerifyStep", Refuse)
+    target, drafter = _pair(4, seed=1, max_requests=3)
+    got, stats = speculative_generate(target, drafter, prompts, 5)
+    assert stats.steps == "direct" and len(calls) == 2
+    assert got == plain_greedy(target, prompts, 5)
+    assert not target.cache._owned and not drafter.cache._owned
     # an explicit steps= still raises
     with pytest.raises(ValueError, match="spare request slot"):
         speculative_generate(target, drafter, prompts, 5, steps="static")

@@ -226,6 +226,9 @@ def env_info() -> dict:
         info["cuda_ext"] = dflash_ops._ext.STATUS.get("how")
     except Exception:  # noqa: BLE001 - metadata only
         pass
+    # the knobs that change what runs (backends, layouts, kernel variants), as set in this run
+    info["env"] = {k: v for k, v in sorted(os.environ.items())
+                   if k.startswith("DFLASH_OPS_") and k != "DFLASH_OPS_COMMIT"}
     repo = Path(__file__).resolve().parents[2]
     if os.environ.get("DFLASH_OPS_COMMIT"):  # a copy of the tree without .git (device machines)
         info["commit"] = os.environ["DFLASH_OPS_COMMIT"]
@@ -305,6 +308,8 @@ class Results:
         m, f = self.meta, self.floors
         lines = [f"{m.get('date')}  {m.get('gpu', 'no GPU')}  torch {m.get('torch')}  "
                  f"triton {m.get('triton')}  CUDA {m.get('cuda')}  commit {m.get('commit')}"]
+        if m.get("env"):
+            lines.append("settings: " + " ".join(f"{k}={v}" for k, v in m["env"].items()))
         if f:
             lines.append(f"floors (this run): copy {_fmt(f.get('copy_GBps'))} GB/s (read + write), "
                          f"bf16 GEMM {_fmt(f.get('gemm_TFLOPs'))} TFLOP/s")
