@@ -136,4 +136,13 @@ void greedy_commit_(const at::Tensor& block, const at::Tensor& post, const at::T
                     at::Tensor& out_tokens, const at::Tensor& stop_ids, int64_t max_new,
                     at::Tensor& kept, at::Tensor& done, at::Tensor& ctx_pos);
 
+// dflash_spec::sample_commit_ (csrc/accept.cu): speculative rejection sampling + the commit;
+// contract: dflash_ops/speculator/accept.py sample_commit_ref. p [R, B, V], q [R, B-1, V],
+// u [R, B-1], u_res [R] float32; the rest as greedy_commit_.
+void sample_commit_(const at::Tensor& block, const at::Tensor& p, const at::Tensor& q,
+                    const at::Tensor& u, const at::Tensor& u_res, const at::Tensor& rows,
+                    at::Tensor& n_out, at::Tensor& start, at::Tensor& last,
+                    at::Tensor& out_tokens, const at::Tensor& stop_ids, int64_t max_new,
+                    at::Tensor& kept, at::Tensor& done, at::Tensor& ctx_pos);
+
 }  // namespace dflash_ops

@@ -30,9 +30,14 @@ TORCH_LIBRARY(dflash_spec, m) {
   m.def("greedy_commit_(Tensor block, Tensor post, Tensor rows, Tensor(a!) n_out, "
         "Tensor(b!) start, Tensor(c!) last, Tensor(d!) out_tokens, Tensor stop_ids, "
         "int max_new, Tensor(e!) kept, Tensor(f!) done, Tensor(g!) ctx_pos) -> ()");
+  m.def("sample_commit_(Tensor block, Tensor p, Tensor q, Tensor u, Tensor u_res, Tensor rows, "
+        "Tensor(a!) n_out, Tensor(b!) start, Tensor(c!) last, Tensor(d!) out_tokens, "
+        "Tensor stop_ids, int max_new, Tensor(e!) kept, Tensor(f!) done, Tensor(g!) ctx_pos) "
+        "-> ()");
 }
 TORCH_LIBRARY_IMPL(dflash_spec, CUDA, m) {
   m.impl("greedy_commit_", TORCH_FN(dflash_ops::greedy_commit_));
+  m.impl("sample_commit_", TORCH_FN(dflash_ops::sample_commit_));
 }
 
 #ifdef DFLASH_OPS_PYTHON_MODULE

@@ -1,7 +1,9 @@
 """The greedy acceptance + commit: the Triton kernel (under TRITON_INTERPRET=1 on CPU, and on the
 GPU) against the torch version on random cases: every acceptance length, stop tokens inside and
 after the accepted prefix, max_new_tokens cuts (including no room left), distinct rows in any
-order, B 2..16, no stop list."""
+order, B 2..16, no stop list. The same for the sampling acceptance (speculative rejection
+sampling + commit), whose torch version is also checked against its definition: the inverse-CDF
+draw gives each token its probability mass, the match follows the acceptance rule."""
 from __future__ import annotations
 
 import os
@@ -11,7 +13,8 @@ import sys
 import pytest
 import torch
 
-from dflash_ops.speculator.accept import greedy_commit
+from dflash_ops.speculator.accept import (greedy_commit, inverse_cdf, sample_accept_ref,
+                                          sample_commit)
 
 
 def make_case(seed, r=5, n=8, b=8, vocab=6, n_stop=2, max_new=20, device="cpu"):
@@ -72,9 +75,112 @@ def test_bad_backend():
         greedy_commit(*make_case(0), backend="gpu")
 
 
+def _dist(g, shape, zero_frac=0.3):
+    """Random distributions over the last dim, about zero_frac of the entries exactly 0."""
+    w = torch.rand(shape, generator=g) ** 3
+    w = torch.where(torch.rand(shape, generator=g) < zero_frac, torch.zeros_like(w), w)
+    w[..., 0] += 1e-3  # never an all-zero row
+    return w / w.sum(-1, keepdim=True)
+
+
+def make_sample_case(seed, r=6, n=9, b=8, vocab=300, n_stop=2, max_new=20, device="cpu"):
+    """(block, p, q, u, u_res, rows, n_out, start, last, out, stops, max_new): drafts drawn from
+    q; request i has p = q on its first acc[i] positions (those drafts are always accepted), the
+    last request has p = q everywhere (the bonus is drawn from p[B-1]) and one request a p row
+    scaled by 0.5 at its first position (max(p - q, 0) is all zero there: the draw falls back to
+    p)."""
+    g = torch.Generator().manual_seed(seed)
+    q = _dist(g, (r, b - 1, vocab))
+    p = _dist(g, (r, b, vocab))
+    drafts = torch.multinomial(q.reshape(-1, vocab), 1, generator=g).view(r, b - 1)
+    acc = torch.randint(0, b, (r,), generator=g)
+    for i in range(r):
+        p[i, :acc[i]] = q[i, :acc[i]]
+    p[-1, :b - 1] = q[-1]
+    if r > 1:
+        p[0, 0] = 0.5 * q[0, 0]  # unnormalised on purpose: rejection with zero residual mass
+    block = torch.cat([torch.randint(0, vocab, (r, 1), generator=g), drafts], 1)
+    u = torch.rand((r, b - 1), generator=g)
+    u_res = torch.rand((r,), generator=g)
+    rows = torch.randperm(n, generator=g)[:r]
+    n_out = torch.randint(1, max_new + 1, (n,), generator=g)
+    start = torch.randint(5, 50, (n,), generator=g)
+    last = torch.randint(0, vocab, (n,), generator=g)
+    out = torch.randint(0, vocab, (n, max_new + b + 1), generator=g)
+    stops = drafts.reshape(-1)[torch.randperm(drafts.numel(), generator=g)[:n_stop]]
+    return [t.to(device) for t in (block, p, q, u, u_res, rows, n_out, start, last, out,
+                                   stops)] + [max_new]
+
+
+def check_sample(device, backend, seeds=range(8), shapes=((8, 2, 300), (2, 1, 37), (16, 0, 5000),
+                                                          (5, 3, 4097))):
+    for seed in seeds:
+        for b, n_stop, vocab in shapes:
+            args = make_sample_case(seed, b=b, n_stop=n_stop, vocab=vocab, device=device)
+            want_state = [a.clone() for a in args[:-1]]
+            want = sample_commit(*want_state, args[-1], backend="torch")
+            got_state = [a.clone() for a in args[:-1]]
+            got = sample_commit(*got_state, args[-1], backend=backend)
+            what = f"seed {seed} B {b} stops {n_stop} V {vocab}"
+            for name, x, y in zip(("kept", "done", "ctx_pos"), got, want):
+                assert torch.equal(x.cpu(), y.cpu()), f"{what}: {name} {x} vs {y}"
+            for name, i in (("n_out", 6), ("start", 7), ("last", 8)):
+                assert torch.equal(got_state[i].cpu(), want_state[i].cpu()), f"{what}: {name}"
+            rows, n0, kept = args[5].cpu(), args[6].cpu(), want[0].cpu()
+            for k, row in enumerate(rows.tolist()):
+                cols = slice(int(n0[row]), int(n0[row] + kept[k]))
+                assert torch.equal(got_state[9].cpu()[row, cols], want_state[9].cpu()[row, cols]), \
+                    f"{what}: tokens of row {row}"
+
+
+def test_inverse_cdf_gives_each_token_its_mass():
+    """Stratified uniforms (i + 0.5) / N: token k is drawn N * w_k / sum(w) times, +-1; zero-weight
+    tokens never (also at u just below 1)."""
+    g = torch.Generator().manual_seed(3)
+    w = _dist(g, (4, 50)) * torch.tensor([[1.0], [3.0], [0.25], [7.0]])  # unnormalised rows
+    n = 20000
+    u = ((torch.arange(n) + 0.5) / n)
+    draws = inverse_cdf(w.repeat_interleave(n, 0), u.repeat(4)).view(4, n)
+    for i in range(4):
+        counts = torch.bincount(draws[i], minlength=50).float()
+        want = n * w[i] / w[i].sum()
+        assert (counts - want).abs().max() <= 1.0 + 1e-6, (i, counts, want)
+        assert counts[w[i] == 0].sum() == 0
+    top = inverse_cdf(w, torch.full((4,), 1 - 2 ** -24))
+    assert bool((w.gather(1, top[:, None]) > 0).all())
+
+
+def test_sample_accept_follows_the_rule():
+    args = make_sample_case(1, r=6, b=8, vocab=40)
+    block, p, q, u, u_res = args[:5]
+    match, post = sample_accept_ref(block, p, q, u, u_res)
+    for i in range(6):
+        m = 0
+        while m < 7:
+            d = block[i, m + 1]
+            if not u[i, m] * q[i, m, d] < p[i, m, d]:
+                break
+            m += 1
+        assert int(match[i]) == m
+        assert torch.equal(post[i, :m], block[i, 1:m + 1])  # accepted drafts
+        qm = q[i, m] if m < 7 else torch.zeros_like(p[i, m])
+        resid = (p[i, m] - qm).clamp_min(0)
+        dist = resid if resid.sum() > 0 else p[i, m]
+        assert dist[post[i, m]] > 0  # the draw comes from the right distribution's support
+    assert int(match[-1]) == 7  # p == q: every draft accepted, the bonus drawn from p[B-1]
+    assert int(match[0]) == 0  # p[0, 0] = q / 2 ... rejected at once unless u < 1/2
+    # (seed 1: u[0, 0] >= 1/2; the zero-residual fallback drew from p)
+
+
+def test_sample_commit_bad_backend():
+    with pytest.raises(ValueError, match="backend must be"):
+        sample_commit(*make_sample_case(0), backend="gpu")
+
+
 _SCRIPT = r"""
 import tests.test_accept_kernels as t
 t.check("cpu", "triton", seeds=range(4))
+t.check_sample("cpu", "triton", seeds=range(3))
 print("interp-ok")
 """
 
@@ -93,12 +199,47 @@ def test_cuda_backend_without_the_extension_raises():
         pytest.skip("the CUDA extension is loaded here")
     with pytest.raises(RuntimeError, match="needs the CUDA extension"):
         greedy_commit(*make_case(0), backend="cuda")
+    with pytest.raises(RuntimeError, match="sample_commit: backend 'cuda' needs the CUDA"):
+        sample_commit(*make_sample_case(0), backend="cuda")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
 def test_kernels_gpu(backend):
     check("cuda", backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_sample_kernels_gpu(backend):
+    check_sample("cuda", backend,
+                 shapes=((8, 2, 300), (2, 1, 37), (16, 0, 151936), (5, 3, 4097), (32, 2, 1000)))
+
+
+@pytest.mark.gpu
+def test_cuda_sample_kernel_rejects_bad_inputs_naming_them():
+    args = make_sample_case(0, device="cuda")
+    block, p, q, u, u_res, rows, n_out, start, last, out, stops, max_new = args
+    r, b = block.shape
+    outs = (torch.empty(r, dtype=torch.long, device="cuda"),
+            torch.empty(r, dtype=torch.bool, device="cuda"),
+            torch.empty(r, b, dtype=torch.long, device="cuda"))
+    op = torch.ops.dflash_spec.sample_commit_
+    cases = [(": p must be float32", dict(p=p.double())),
+             (": q must have shape", dict(q=q[:, :-1])), (": u must have shape", dict(u=u[:, :-1])),
+             (": u_res must have shape", dict(u_res=u_res[:-1])),
+             (": q must have unit stride", dict(q=q.transpose(1, 2).contiguous().transpose(1, 2))),
+             (": rows must have", dict(rows=rows[:-1])),
+             (r"block size \(block.shape\[1\]\) must be in \[2, 32\]",
+              dict(block=block[:, :1].contiguous())),
+             (": last must be int64", dict(last=last.int()))]
+    for name, change in cases:
+        kw = dict(block=block, p=p, q=q, u=u, u_res=u_res, rows=rows, n_out=n_out, start=start,
+                  last=last, out=out, stops=stops)
+        kw.update(change)
+        with pytest.raises(ValueError, match=name):
+            op(kw["block"], kw["p"], kw["q"], kw["u"], kw["u_res"], kw["rows"], kw["n_out"],
+               kw["start"], kw["last"], kw["out"], kw["stops"], max_new, *outs)
 
 
 @pytest.mark.gpu

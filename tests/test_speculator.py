@@ -251,14 +251,14 @@ def test_demo_command_runs_and_matches_plain_greedy(capsys):
     assert re.search(r"^steps +direct$", out, re.M), out  # "auto" resolved: direct on CPU
 
 
-def _small_vocab_pair(vocab=4, block_size=4, requests=16):
+def _small_vocab_pair(vocab=4, block_size=4, requests=16, device="cpu"):
     tcfg = TargetConfig(hidden_size=H, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
                         intermediate_size=128, vocab_size=vocab, rms_norm_eps=1e-6,
                         rope_theta=10000.0, max_position_embeddings=512,
                         tie_word_embeddings=False, attention_bias=False, qk_norm=True,
                         source="<test>")
     target = Target.random(tcfg, seed=11, dtype=torch.float32, num_blocks=8 * requests,
-                           block_size=4, max_requests=requests, max_len=32)
+                           block_size=4, max_requests=requests, max_len=32, device=device)
     with torch.no_grad():  # sharper than random init: a distribution far from uniform
         target.lm_head.mul_(3.0)
     dcfg = DFlashConfig(hidden_size=H, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -267,7 +267,8 @@ def _small_vocab_pair(vocab=4, block_size=4, requests=16):
                         max_position_embeddings=512, source="<test>")
     drafter = DFlashDrafter(dcfg, random_drafter_state(dcfg, 12), embed_tokens=target.embed,
                             lm_head=target.lm_head, dtype=torch.float32, num_blocks=8 * requests,
-                            cache_block_size=4, max_requests=requests, max_len=32)
+                            cache_block_size=4, max_requests=requests, max_len=32,
+                            device=device)
     return target, drafter
 
 
@@ -297,20 +298,22 @@ def _exact_joint(target, prompt, n, temperature, top_k):
     return joint
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("top_k", [0, 3])
-def test_sampling_matches_target_distribution(top_k):
+def test_sampling_matches_target_distribution(top_k, device):
     """Chi-square over the joint of the first three new tokens (the first from the prefill, the
     next two from one draft-and-verify iteration with block 4): speculative rejection sampling
-    must reproduce plain sampling from the target. 0.1% significance."""
-    target, drafter = _small_vocab_pair()
+    must reproduce plain sampling from the target. 0.1% significance. On CUDA the acceptance
+    runs as the Triton kernel (direct steps: no graph capture per call)."""
+    target, drafter = _small_vocab_pair(device=device)
     prompt = [0, 2, 1, 1, 0]
     temp, n_new, reps = 1.0, 3, 16
     want = _exact_joint(target, prompt, n_new, temp, top_k)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     counts, total, accepted = {}, 0, []
     for _ in range(250):
         got, st = speculative_generate(target, drafter, [prompt] * reps, n_new, temperature=temp,
-                                     top_k=top_k, generator=gen)
+                                     top_k=top_k, generator=gen, steps="direct")
         accepted += st.acceptance
         for o in got:
             counts[tuple(o)] = counts.get(tuple(o), 0) + 1

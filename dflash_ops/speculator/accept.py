@@ -64,36 +64,120 @@ def greedy_commit_ref(block, post, rows, n_out, start, last, out_tokens, stop_id
                          max_new)
 
 
+def inverse_cdf(dist: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row-wise draw from unnormalised weights dist [R, V] >= 0 with uniforms u [R] in [0, 1):
+    the first k whose running sum exceeds u * total, i.e. #{k : cdf(k) <= u * total}, capped at
+    the last k with dist > 0 (fp32 rounding at the top end never picks a zero-weight token)."""
+    cdf = dist.cumsum(-1)
+    target = u * cdf[:, -1]
+    count = (cdf <= target[:, None]).sum(-1)
+    k = torch.arange(dist.shape[-1], device=dist.device)
+    last_nz = torch.where(dist > 0, k, torch.zeros_like(k)).amax(-1)
+    return torch.minimum(count, last_nz)
+
+
+def sample_accept_ref(block, p, q, u, u_res):
+    """Speculative rejection sampling of a block (Leviathan et al.): block [R, B] (last token,
+    drafts d_1..d_{B-1}), p [R, B, V] the target's sampling distribution after each block
+    position, q [R, B-1, V] the drafter's for each draft, u [R, B-1] and u_res [R] uniforms in
+    [0, 1). Draft j is accepted while u_j * q_j(d_j) < p_{j-1}(d_j); at the first rejection
+    (position m = match) the token is drawn from max(p_m - q_m, 0) (p_m where that is all zero),
+    after B-1 acceptances the bonus from p_{B-1}, with u_res through ``inverse_cdf``.
+    Returns (match [R] int64, post [R, B] int64: the drawn token at column match, the drafts
+    shifted left elsewhere, what ``commit_update`` reads)."""
+    r, b = block.shape
+    d = block[:, 1:, None]
+    p_d = p[:, :-1].gather(-1, d)[..., 0].float()
+    q_d = q.gather(-1, d)[..., 0].float()
+    match = (u * q_d < p_d).int().cumprod(1).sum(1).long()
+    ar = torch.arange(r, device=block.device)
+    pm = p[ar, match].float()
+    qm = torch.cat([q, torch.zeros_like(q[:, :1])], 1)[ar, match].float()  # 0 after B-1 drafts
+    resid = (pm - qm).clamp_min(0)
+    dist = torch.where((resid.sum(-1) > 0)[:, None], resid, pm)
+    token = inverse_cdf(dist, u_res.float())
+    post = torch.cat([block[:, 1:], block[:, :1]], 1).clone()
+    post[ar, match] = token
+    return match, post
+
+
+def sample_commit_ref(block, p, q, u, u_res, rows, n_out, start, last, out_tokens, stop_ids,
+                      max_new: int):
+    """``sample_accept_ref`` then ``commit_update``: (kept [R], done [R], ctx_pos [R, B])."""
+    match, post = sample_accept_ref(block, p, q, u, u_res)
+    return commit_update(block, post, match, rows, n_out, start, last, out_tokens, stop_ids,
+                         max_new)
+
+
+def sample_commit(block, p, q, u, u_res, rows, n_out, start, last, out_tokens, stop_ids,
+                  max_new: int, backend: str = "auto"):
+    """``sample_commit_ref``'s contract: ``"triton"`` (one program a request,
+    triton/accept.py), ``"cuda"`` (``torch.ops.dflash_spec.sample_commit_``, csrc/accept.cu, a
+    CTA a request; needs the CUDA extension), the torch ops (``"torch"``), or ``"auto"``: triton
+    on CUDA tensors when installed, else torch (the CUDA kernel becomes the choice once
+    measured). p / q / u / u_res are fp32 (p, q with unit stride in V)."""
+    backend = _backend(backend, "sample_commit", block)
+    if backend == "torch":
+        return sample_commit_ref(block, p, q, u, u_res, rows, n_out, start, last, out_tokens,
+                                 stop_ids, max_new)
+    if backend == "cuda":
+        outs = _outputs(block)
+        _spec_op("sample_commit_", "sample_commit")(
+            block.contiguous(), p, q, u.contiguous(), u_res.contiguous(), rows, n_out, start,
+            last, out_tokens, stop_ids, max_new, *outs)
+        return outs
+    from ..triton.accept import sample_commit as kernel
+    return kernel(block, p, q, u, u_res, rows, n_out, start, last, out_tokens, stop_ids,
+                  max_new)
+
+
 def greedy_commit(block, post, rows, n_out, start, last, out_tokens, stop_ids, max_new: int,
                   backend: str = "auto"):
     """``greedy_commit_ref``'s contract in one kernel: ``"triton"`` (triton/accept.py),
     ``"cuda"`` (``torch.ops.dflash_spec.greedy_commit_``, csrc/accept.cu, a warp a request; needs
     the CUDA extension) or the torch ops (``"torch"``). ``"auto"``: triton on CUDA tensors when
     installed, else torch (the CUDA kernel becomes the choice once measured on the GPU)."""
-    if backend not in ("auto", "torch", "triton", "cuda"):
-        raise ValueError(f"greedy_commit: backend must be auto, torch, triton or cuda, got "
-                         f"{backend!r}")
-    if backend == "auto":
-        from .. import triton as _tr
-        backend = "triton" if block.is_cuda and _tr.AVAILABLE else "torch"
+    backend = _backend(backend, "greedy_commit", block)
     if backend == "torch":
         return greedy_commit_ref(block, post, rows, n_out, start, last, out_tokens, stop_ids,
                                  max_new)
     if backend == "cuda":
-        op = getattr(getattr(torch.ops, "dflash_spec", None), "greedy_commit_", None) \
-            if _cuda_extension_loaded() else None
-        if op is None:
-            raise RuntimeError("greedy_commit: backend 'cuda' needs the CUDA extension "
-                               "(dflash_ops._C), which is not loaded")
-        r, b = block.shape
-        kept = torch.empty(r, dtype=torch.long, device=block.device)
-        done = torch.empty(r, dtype=torch.bool, device=block.device)
-        ctx_pos = torch.empty(r, b, dtype=torch.long, device=block.device)
-        op(block.contiguous(), post.contiguous(), rows, n_out, start, last, out_tokens,
-           stop_ids, max_new, kept, done, ctx_pos)
-        return kept, done, ctx_pos
+        outs = _outputs(block)
+        _spec_op("greedy_commit_", "greedy_commit")(
+            block.contiguous(), post.contiguous(), rows, n_out, start, last, out_tokens,
+            stop_ids, max_new, *outs)
+        return outs
     from ..triton.accept import greedy_commit as kernel
     return kernel(block, post, rows, n_out, start, last, out_tokens, stop_ids, max_new)
+
+
+def _backend(backend: str, caller: str, block: torch.Tensor) -> str:
+    """The backend to run: "auto" is triton on CUDA tensors when installed, else torch."""
+    if backend not in ("auto", "torch", "triton", "cuda"):
+        raise ValueError(f"{caller}: backend must be auto, torch, triton or cuda, got "
+                         f"{backend!r}")
+    if backend == "auto":
+        from .. import triton as _tr
+        backend = "triton" if block.is_cuda and _tr.AVAILABLE else "torch"
+    return backend
+
+
+def _outputs(block: torch.Tensor) -> tuple:
+    """(kept [R] int64, done [R] bool, ctx_pos [R, B] int64), uninitialised, for the CUDA ops."""
+    r, b = block.shape
+    return (torch.empty(r, dtype=torch.long, device=block.device),
+            torch.empty(r, dtype=torch.bool, device=block.device),
+            torch.empty(r, b, dtype=torch.long, device=block.device))
+
+
+def _spec_op(name: str, caller: str):
+    """torch.ops.dflash_spec.<name> (csrc/accept.cu), or a RuntimeError saying why not."""
+    op = getattr(getattr(torch.ops, "dflash_spec", None), name, None) \
+        if _cuda_extension_loaded() else None
+    if op is None:
+        raise RuntimeError(f"{caller}: backend 'cuda' needs the CUDA extension "
+                           f"(dflash_ops._C), which is not loaded")
+    return op
 
 
 def _cuda_extension_loaded() -> bool:

@@ -19,9 +19,10 @@ every active request at once:
 With ``temperature > 0`` (``top_p``, ``top_k`` as usual) drafts are sampled from the drafter's
 distribution q and accepted by speculative rejection sampling against the target's p: draft j is
 kept with probability min(1, p_{j-1}(d_j) / q_j(d_j)); at the first rejection the token is drawn
-from normalise(max(p - q, 0)); after B-1 acceptances the bonus is drawn from p. The output then
-has the target's distribution exactly (tests/test_speculator.py checks it with a chi-square
-test).
+from normalise(max(p - q, 0)); after B-1 acceptances the bonus is drawn from p
+(``accept.sample_commit``: uniforms from ``generator``, an inverse-CDF draw; one Triton kernel
+with the commit on CUDA). The output then has the target's distribution exactly
+(tests/test_speculator.py checks it with a chi-square test).
 
 Steps (``steps="graphs"``, the default on CUDA (``"auto"``) where the caches have the spare slot
 below; ``"static"`` runs the same path without capture, the CPU test of it; ``"direct"`` the plain
@@ -45,7 +46,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from .accept import commit_update, greedy_commit
+from .accept import greedy_commit, sample_commit
 
 
 @dataclass
@@ -292,22 +293,11 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
                 vpost = None
             sync()
             t2 = time.perf_counter()
-            if sampling:
+            if sampling:  # rejection sampling, commit and state update: one kernel on CUDA
                 p = probs_from_logits(logits, temperature, top_p, top_k)  # [R, B, V]
-                d = block[:, 1:, None]
-                p_d = p[:, :-1].gather(-1, d)[..., 0]
-                q_d = q.gather(-1, d)[..., 0]
-                u = torch.rand(q_d.shape, device=dev, generator=generator)
-                match = (u * q_d < p_d).int().cumprod(1).sum(1)
-                rows = torch.arange(len(act), device=dev)
-                resid = (p[rows, match] - torch.cat([q, torch.zeros_like(q[:, :1])], 1)[
-                    rows, match]).clamp_min(0)
-                # all accepted (match = B-1): the padded q row is 0, so resid = p[B-1]
-                mass = resid.sum(-1, keepdim=True)
-                resid = torch.where(mass > 0, resid / mass.clamp_min(1e-30), p[rows, match])
-                post = torch.zeros_like(block)
-                post[rows, match] = _sample(resid, generator)
-                kept, fin, ctx_pos = commit_update(block, post, match, ra, n_out, start_t,
+                u = torch.rand((len(act), bsz - 1), device=dev, generator=generator)
+                u_res = torch.rand((len(act),), device=dev, generator=generator)
+                kept, fin, ctx_pos = sample_commit(block, p, q, u, u_res, ra, n_out, start_t,
                                                    last, out_tokens, stop_t, max_new_tokens)
             else:  # match, commit, n_out / start / last and ctx_pos: one kernel on CUDA
                 post = logits.argmax(-1) if vpost is None else vpost

@@ -1,5 +1,7 @@
-"""Greedy acceptance and commit of a verified block in one Triton kernel (the speculator's hot
-bookkeeping: the torch version, ``speculator.accept.greedy_commit_ref``, is ~25 small launches).
+"""Acceptance and commit of a verified block in one Triton kernel: greedy (the speculator's hot
+bookkeeping: the torch version, ``speculator.accept.greedy_commit_ref``, is ~25 small launches)
+and speculative rejection sampling (``sample_commit``, below; the torch version is
+``sample_commit_ref``).
 
 One program per active request r (row ``rows[r]`` of the per-request state):
 * match = the leading drafts the target agrees with: block[r, j + 1] == post[r, j], j < B - 1;
@@ -20,21 +22,15 @@ import triton.language as tl
 
 
 @triton.jit
-def _greedy_commit_kernel(block_ptr, post_ptr, rows_ptr, n_out_ptr, start_ptr, last_ptr,
-                          out_ptr, stop_ptr, ctx_pos_ptr, kept_ptr, done_ptr,
-                          out_stride, out_width, n_stop, max_new,
-                          B: tl.constexpr, BP: tl.constexpr, SP: tl.constexpr):
-    r = tl.program_id(0)
-    j = tl.arange(0, BP)
-    in_b = j < B
+def _commit(new, match, r, j, rows_ptr, n_out_ptr, start_ptr, last_ptr, stop_ptr, out_ptr,
+            ctx_pos_ptr, kept_ptr, done_ptr, out_stride, out_width, n_stop, max_new,
+            B: tl.constexpr, SP: tl.constexpr):
+    """The commit shared by both kernels: the new tokens new[j] (j <= match) of request r, cut
+    after the first stop token and at max_new - n_out; the state of row rows[r] updated."""
     row = tl.load(rows_ptr + r)
-    post = tl.load(post_ptr + r * B + j, mask=in_b, other=0)
-    drafts = tl.load(block_ptr + r * B + j + 1, mask=j < B - 1, other=0)
-    agree = (drafts == post) & (j < B - 1)
-    match = tl.min(tl.where(agree, B - 1, j), axis=0)  # first disagreement (B - 1: none)
     s = tl.arange(0, SP)
     stops = tl.load(stop_ptr + s, mask=s < n_stop, other=0)
-    hit = (post[:, None] == stops[None, :]) & (s[None, :] < n_stop)
+    hit = (new[:, None] == stops[None, :]) & (s[None, :] < n_stop)
     is_stop = (tl.max(hit.to(tl.int32), axis=1) > 0) & (j <= match)
     first_stop = tl.min(tl.where(is_stop, j, B), axis=0)
     n_out = tl.load(n_out_ptr + row)
@@ -43,15 +39,109 @@ def _greedy_commit_kernel(block_ptr, post_ptr, rows_ptr, n_out_ptr, start_ptr, l
     kept = tl.maximum(kept, 0)
     done = (kept >= room) | (first_stop < kept)
     col = n_out + j
-    tl.store(out_ptr + row * out_stride + col, post, mask=(j < kept) & (col < out_width))
-    last = tl.sum(tl.where(j == tl.maximum(kept - 1, 0), post, 0), axis=0)
+    tl.store(out_ptr + row * out_stride + col, new, mask=(j < kept) & (col < out_width))
+    last = tl.sum(tl.where(j == tl.maximum(kept - 1, 0), new, 0), axis=0)
     start = tl.load(start_ptr + row)
-    tl.store(ctx_pos_ptr + r * B + j, tl.where(j < kept, start + j, -1), mask=in_b)
+    tl.store(ctx_pos_ptr + r * B + j, tl.where(j < kept, start + j, -1), mask=j < B)
     tl.store(n_out_ptr + row, n_out + kept)
     tl.store(start_ptr + row, start + kept)
     tl.store(last_ptr + row, last)
     tl.store(kept_ptr + r, kept)
     tl.store(done_ptr + r, done.to(tl.int8))
+
+
+@triton.jit
+def _greedy_commit_kernel(block_ptr, post_ptr, rows_ptr, n_out_ptr, start_ptr, last_ptr,
+                          out_ptr, stop_ptr, ctx_pos_ptr, kept_ptr, done_ptr,
+                          out_stride, out_width, n_stop, max_new,
+                          B: tl.constexpr, BP: tl.constexpr, SP: tl.constexpr):
+    r = tl.program_id(0)
+    j = tl.arange(0, BP)
+    post = tl.load(post_ptr + r * B + j, mask=j < B, other=0)
+    drafts = tl.load(block_ptr + r * B + j + 1, mask=j < B - 1, other=0)
+    agree = (drafts == post) & (j < B - 1)
+    match = tl.min(tl.where(agree, B - 1, j), axis=0)  # first disagreement (B - 1: none)
+    _commit(post, match, r, j, rows_ptr, n_out_ptr, start_ptr, last_ptr, stop_ptr, out_ptr,
+            ctx_pos_ptr, kept_ptr, done_ptr, out_stride, out_width, n_stop, max_new, B, SP)
+
+
+@triton.jit
+def _row_chunk(p_row, q_row, kv, V, q_on):
+    """Entries kv of the row drawn from: (in range, p, max(p - q, 0)); q read only where q_on."""
+    inside = kv < V
+    pv = tl.load(p_row + kv, mask=inside, other=0.0)
+    qv = tl.load(q_row + kv, mask=inside & q_on, other=0.0)
+    return inside, pv, tl.maximum(pv - qv, 0.0)
+
+
+@triton.jit
+def _sample_commit_kernel(block_ptr, p_ptr, q_ptr, u_ptr, ures_ptr, rows_ptr, n_out_ptr,
+                          start_ptr, last_ptr, out_ptr, stop_ptr, ctx_pos_ptr, kept_ptr,
+                          done_ptr, sp_r, sp_j, sq_r, sq_j, V, out_stride, out_width, n_stop,
+                          max_new, B: tl.constexpr, BP: tl.constexpr, SP: tl.constexpr,
+                          BV: tl.constexpr):
+    r = tl.program_id(0)
+    j = tl.arange(0, BP)
+    is_d = j < B - 1
+    drafts = tl.load(block_ptr + r * B + j + 1, mask=is_d, other=0)
+    p_d = tl.load(p_ptr + r * sp_r + j * sp_j + drafts, mask=is_d, other=0.0)
+    q_d = tl.load(q_ptr + r * sq_r + j * sq_j + drafts, mask=is_d, other=0.0)
+    u = tl.load(u_ptr + r * (B - 1) + j, mask=is_d, other=1.0)
+    ok = (u * q_d < p_d) & is_d
+    match = tl.min(tl.where(ok, B - 1, j), axis=0)  # first rejection (B - 1: all accepted)
+    # the draw at position match: max(p - q, 0) (q = 0 after B-1 acceptances), else p
+    p_row = p_ptr + r * sp_r + match * sp_j
+    q_row = q_ptr + r * sq_r + tl.minimum(match, B - 2) * sq_j
+    q_on = match < B - 1
+    k = tl.arange(0, BV)
+    mass = 0.0
+    pmass = 0.0
+    last_r = 0
+    last_p = 0
+    for v0 in range(0, V, BV):
+        kv = v0 + k
+        inside, pv, rv = _row_chunk(p_row, q_row, kv, V, q_on)
+        mass += tl.sum(rv, axis=0)
+        pmass += tl.sum(pv, axis=0)
+        last_r = tl.maximum(last_r, tl.max(tl.where(rv > 0, kv, 0), axis=0))
+        last_p = tl.maximum(last_p, tl.max(tl.where(pv > 0, kv, 0), axis=0))
+    use_r = mass > 0.0
+    total = tl.where(use_r, mass, pmass)
+    q_mask = q_on & use_r
+    target = tl.load(ures_ptr + r) * total
+    count = 0
+    run = 0.0
+    for v0 in range(0, V, BV):
+        kv = v0 + k
+        inside, pv, rv = _row_chunk(p_row, q_row, kv, V, q_mask)
+        dv = tl.where(use_r, rv, pv)
+        cdf = run + tl.cumsum(dv, axis=0)
+        count += tl.sum(((cdf <= target) & inside).to(tl.int32), axis=0)
+        run += tl.sum(dv, axis=0)
+    token = tl.minimum(count, tl.where(use_r, last_r, last_p)).to(tl.int64)
+    new = tl.where(j == match, token, drafts)
+    _commit(new, match, r, j, rows_ptr, n_out_ptr, start_ptr, last_ptr, stop_ptr, out_ptr,
+            ctx_pos_ptr, kept_ptr, done_ptr, out_stride, out_width, n_stop, max_new, B, SP)
+
+
+def _check_state(op, rows, n_out, start, last, out_tokens, stop_ids):
+    for name, t in (("rows", rows), ("n_out", n_out), ("start", start), ("last", last),
+                    ("stop_ids", stop_ids)):
+        if t.dtype != torch.long or t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"{op}: {name} must be a contiguous 1-D int64 tensor, got "
+                             f"{t.dtype} {list(t.shape)} strides {list(t.stride())}")
+    if out_tokens.dtype != torch.long or out_tokens.stride(1) != 1:
+        raise ValueError(f"{op}: out_tokens must be int64 with unit column stride, got "
+                         f"{out_tokens.dtype} strides {list(out_tokens.stride())}")
+
+
+def _outputs(r, b, dev, stop_ids):
+    """(kept [R] int64, done [R] int8, ctx_pos [R, B] int64, the stop list: at least one entry
+    so the kernel has a valid pointer)."""
+    stops = stop_ids if stop_ids.numel() else torch.zeros(1, dtype=torch.long, device=dev)
+    return (torch.empty(r, dtype=torch.long, device=dev),
+            torch.empty(r, dtype=torch.int8, device=dev),
+            torch.empty(r, b, dtype=torch.long, device=dev), stops)
 
 
 def greedy_commit(block, post, rows, n_out, start, last, out_tokens, stop_ids, max_new: int):
@@ -60,23 +150,45 @@ def greedy_commit(block, post, rows, n_out, start, last, out_tokens, stop_ids, m
     bool, ctx_pos [R, B] int64)."""
     r, b = block.shape
     dev = block.device
-    for name, t in (("rows", rows), ("n_out", n_out), ("start", start), ("last", last),
-                    ("stop_ids", stop_ids)):
-        if t.dtype != torch.long or t.dim() != 1 or not t.is_contiguous():
-            raise ValueError(f"greedy_commit: {name} must be a contiguous 1-D int64 tensor, got "
-                             f"{t.dtype} {list(t.shape)} strides {list(t.stride())}")
-    if out_tokens.dtype != torch.long or out_tokens.stride(1) != 1:
-        raise ValueError(f"greedy_commit: out_tokens must be int64 with unit column stride, got "
-                         f"{out_tokens.dtype} strides {list(out_tokens.stride())}")
-    kept = torch.empty(r, dtype=torch.long, device=dev)
-    done = torch.empty(r, dtype=torch.int8, device=dev)
-    ctx_pos = torch.empty(r, b, dtype=torch.long, device=dev)
+    _check_state("greedy_commit", rows, n_out, start, last, out_tokens, stop_ids)
+    kept, done, ctx_pos, stops = _outputs(r, b, dev, stop_ids)
     if r == 0:
         return kept, done.bool(), ctx_pos
-    stops = stop_ids if stop_ids.numel() else torch.zeros(1, dtype=torch.long, device=dev)
     _greedy_commit_kernel[(r,)](
         block.contiguous(), post.contiguous(), rows, n_out, start, last, out_tokens, stops,
         ctx_pos, kept, done, out_tokens.stride(0), out_tokens.shape[1], stop_ids.numel(),
         max_new, B=b, BP=triton.next_power_of_2(b),
         SP=triton.next_power_of_2(max(1, stop_ids.numel())))
+    return kept, done.bool(), ctx_pos
+
+
+def sample_commit(block, p, q, u, u_res, rows, n_out, start, last, out_tokens, stop_ids,
+                  max_new: int):
+    """Speculative rejection sampling + commit of a block, one program a request: the contract
+    of ``speculator.accept.sample_commit_ref`` (block [R, B] int64, p [R, B, V] and q [R, B-1,
+    V] fp32 with unit stride in V, u [R, B-1] and u_res [R] fp32 uniforms; the state as in
+    ``greedy_commit``). Two passes over the V probabilities of the one row drawn from (mass and
+    last nonzero token, then the inverse CDF). Returns (kept, done, ctx_pos)."""
+    r, b = block.shape
+    dev = block.device
+    _check_state("sample_commit", rows, n_out, start, last, out_tokens, stop_ids)
+    v = p.shape[-1]
+    if b < 2:
+        raise ValueError(f"sample_commit: block must hold the last token and >= 1 draft, got "
+                         f"{list(block.shape)}")
+    for name, t, shape in (("p", p, (r, b, v)), ("q", q, (r, b - 1, v)), ("u", u, (r, b - 1)),
+                           ("u_res", u_res, (r,))):
+        if tuple(t.shape) != shape or t.dtype != torch.float32 or t.stride(-1) != 1:
+            raise ValueError(f"sample_commit: {name} must be fp32 {list(shape)} with unit "
+                             f"stride in its last dim, got {t.dtype} {list(t.shape)} strides "
+                             f"{list(t.stride())}")
+    kept, done, ctx_pos, stops = _outputs(r, b, dev, stop_ids)
+    if r == 0:
+        return kept, done.bool(), ctx_pos
+    _sample_commit_kernel[(r,)](
+        block.contiguous(), p, q, u.contiguous(), u_res.contiguous(), rows, n_out, start, last,
+        out_tokens, stops, ctx_pos, kept, done, p.stride(0), p.stride(1), q.stride(0),
+        q.stride(1), v, out_tokens.stride(0), out_tokens.shape[1], stop_ids.numel(), max_new,
+        B=b, BP=triton.next_power_of_2(b), SP=triton.next_power_of_2(max(1, stop_ids.numel())),
+        BV=min(4096, triton.next_power_of_2(v)))
     return kept, done.bool(), ctx_pos
