@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The one script run on the H200 (device tool): install (builds dflash_ops._C), info, check, the
-# GPU tests, the benchmarks. Logs and result tables go under $OUT (at most 8 files come back).
-# Usage: bash benchmarks/gpu_check.sh [build|probe|tests|bench|ctx|attn|sweep|linear|drafter|e2e|profile|cmake|all]
+# GPU tests, the benchmarks. Logs and result tables go under $OUT (at most 8 files come back:
+# more are packed into $OUT/all.tgz at the end).
+# Usage: bash benchmarks/gpu_check.sh [build|probe|tests|bench|ctx|attn|sweep|linear|drafter|e2e|layout|profile|cmake|all]
 #   (all: tests + bench + ctx; build: install and info only)
 #   probe: every bad-input case through the C++ checks, one subprocess each (segfault hunt)
 #   attn:  the attention suite (BENCH_ARGS: --quick, --cases, --tables, --no-flex)
+#   layout: the paged attention table (with the head-major cache column), then the drafter and
+#          e2e quick suites with DFLASH_OPS_KV_LAYOUT=head (into $OUT/results-head)
 # Set DFLASH_OPS_COMMIT (the device copy has no .git) so result files name the commit.
 set -uo pipefail
 OUT=${OUT:-/tmp/dflash-gpu-out}
@@ -55,6 +58,15 @@ if [ "$what" = e2e ]; then
   timeout 500 python3 benchmarks/bench_e2e.py ${BENCH_ARGS:-} --out "$OUT/results" 2>&1 \
     | tee "$OUT/bench_e2e.log"
 fi
+if [ "$what" = layout ]; then  # the head-major cache experiment (benchmarks/NOTES.md)
+  timeout 200 python3 benchmarks/bench_attention.py --tables paged --no-flex \
+    --out "$OUT/results" 2>&1 | tee "$OUT/bench_attn_layout.log" | grep -E "ours cuda"
+  for suite in drafter e2e; do
+    DFLASH_OPS_KV_LAYOUT=head timeout 150 python3 "benchmarks/bench_$suite.py" --quick \
+      --out "$OUT/results-head" > "$OUT/bench_${suite}_head.log" 2>&1
+    grep -A8 "^summary" "$OUT/bench_${suite}_head.log"
+  done
+fi
 if [ "$what" = profile ]; then  # kernel tables of the drafter / verify / decode steps
   timeout 400 python3 benchmarks/profile_step.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/profile.log"
 fi
@@ -72,5 +84,11 @@ fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   python3 benchmarks/bench_norm.py --out "$OUT/results" 2>&1 | tee "$OUT/bench_norm.log"
   echo "bench: $(( $(date +%s) - t0 )) s"
+fi
+# The device tool brings back at most 8 files: pack more into one archive.
+n_files=$(find "$OUT" -type f | wc -l)
+if [ "$n_files" -gt 8 ]; then
+  (cd "$OUT" && tar czf /tmp/dflash-gpu-pack.tgz . && find . -mindepth 1 -delete \
+    && mv /tmp/dflash-gpu-pack.tgz all.tgz) && echo "packed $n_files files into \$OUT/all.tgz"
 fi
 exit $rc

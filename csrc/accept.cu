@@ -14,7 +14,8 @@
 // p_j(d_j)); the CTA then makes two passes over the V probabilities of the row drawn from
 // (max(p - q, 0) at the rejection, p where that has no mass or after B-1 acceptances): its mass
 // and last nonzero token, then the inverse CDF at u_res * mass (a block scan, 1024 entries a
-// step); warp 0 commits [accepted drafts, the drawn token].
+// step: the first entry with weight whose running sum exceeds it); warp 0 commits [accepted
+// drafts, the drawn token].
 #include "dflash_ops.h"
 
 #include "common.cuh"
@@ -178,12 +179,14 @@ __global__ void __launch_bounds__(kSampleThreads) sample_commit_kernel(const Sam
   const bool sub_q = use_r && q_on;
   __syncthreads();  // s_f is reused below
 
-  // pass 2: count the entries whose running sum is <= target (the inverse CDF)
+  // pass 2 (the inverse CDF): the first entry with weight whose running sum exceeds target.
+  // Asking for weight keeps zero-weight tokens out where the parallel fp32 running sum dips.
   float run = 0.f;
-  int64_t count = 0;
+  int64_t first = v;
   for (int64_t base = 0; base < v; base += kSampleThreads * kPerThread) {
     const int64_t k0 = base + static_cast<int64_t>(tid) * kPerThread;
     float incl[kPerThread];
+    bool has[kPerThread];
     float local = 0.f;
 #pragma unroll
     for (int i = 0; i < kPerThread; ++i) {
@@ -195,6 +198,7 @@ __global__ void __launch_bounds__(kSampleThreads) sample_commit_kernel(const Sam
       }
       local += dv;
       incl[i] = local;
+      has[i] = dv > 0.f;
     }
     float scan = local;  // the warp's inclusive scan of the threads' sums
     for (int o = 1; o < 32; o <<= 1) {
@@ -210,18 +214,21 @@ __global__ void __launch_bounds__(kSampleThreads) sample_commit_kernel(const Sam
     }
     const float offset = run + before + (scan - local);
 #pragma unroll
-    for (int i = 0; i < kPerThread; ++i) count += (k0 + i < v && offset + incl[i] <= target);
+    for (int i = 0; i < kPerThread; ++i) {
+      if (has[i] && offset + incl[i] > target && k0 + i < first) first = k0 + i;
+    }
     run += chunk;
     __syncthreads();  // s_f is rewritten next step
   }
-  for (int o = 16; o > 0; o >>= 1) count += __shfl_xor_sync(0xffffffffu, count, o);
-  if (lane == 0) s_i[2][warp] = count;
+  for (int o = 16; o > 0; o >>= 1) {
+    const int64_t y = __shfl_xor_sync(0xffffffffu, first, o);
+    first = y < first ? y : first;
+  }
+  if (lane == 0) s_i[2][warp] = first;
   __syncthreads();
   if (warp != 0) return;
-  count = 0;
-  for (int w = 0; w < kSampleWarps; ++w) count += s_i[2][w];
-  const int64_t cap = use_r ? last_r : last_p;
-  const int64_t token = count < cap ? count : cap;
+  for (int w = 0; w < kSampleWarps; ++w) first = s_i[2][w] < first ? s_i[2][w] : first;
+  const int64_t token = first < v ? first : (use_r ? last_r : last_p);
   commit_warp(p, r, lane, match, lane == match ? token : draft);
 }
 

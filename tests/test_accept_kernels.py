@@ -76,11 +76,22 @@ def test_bad_backend():
 
 
 def _dist(g, shape, zero_frac=0.3):
-    """Random distributions over the last dim, about zero_frac of the entries exactly 0."""
-    w = torch.rand(shape, generator=g) ** 3
+    """Random weights over the last dim, about zero_frac of them exactly 0, each a multiple of
+    2^-12 below 2^-8: their fp32 sums are exact in any order (up to 2^20 entries), so every
+    backend's running sum, whatever its order, lands on the same values and the draws agree
+    exactly. Rows are not normalised (the kernels never assume it)."""
+    w = torch.floor(torch.rand(shape, generator=g) ** 2 * 16)
     w = torch.where(torch.rand(shape, generator=g) < zero_frac, torch.zeros_like(w), w)
-    w[..., 0] += 1e-3  # never an all-zero row
-    return w / w.sum(-1, keepdim=True)
+    w[..., 0] = w[..., 0].clamp_min(1)  # never an all-zero row
+    return w * 2.0 ** -12
+
+
+def _strided(t, pad):
+    """t [R, J, V] as a view with row strides (J+1) * (V+pad) and V+pad (not contiguous)."""
+    r, j, v = t.shape
+    big = torch.full((r, j + 1, v + pad), float("nan"), dtype=t.dtype, device=t.device)
+    big[:, :j, :v] = t
+    return big[:, :j, :v]
 
 
 def make_sample_case(seed, r=6, n=9, b=8, vocab=300, n_stop=2, max_new=20, device="cpu"):
@@ -117,9 +128,13 @@ def check_sample(device, backend, seeds=range(8), shapes=((8, 2, 300), (2, 1, 37
     for seed in seeds:
         for b, n_stop, vocab in shapes:
             args = make_sample_case(seed, b=b, n_stop=n_stop, vocab=vocab, device=device)
-            want_state = [a.clone() for a in args[:-1]]
+            if seed % 2:  # p, q as strided views (their row strides differ from each other's)
+                args[1], args[2] = _strided(args[1], 7), _strided(args[2], 3)
+            # copies of the state the call updates (n_out, start, last, out); the inputs as
+            # they are (a clone would make the strided p / q contiguous)
+            want_state = [a.clone() if i in (6, 7, 8, 9) else a for i, a in enumerate(args[:-1])]
             want = sample_commit(*want_state, args[-1], backend="torch")
-            got_state = [a.clone() for a in args[:-1]]
+            got_state = [a.clone() if i in (6, 7, 8, 9) else a for i, a in enumerate(args[:-1])]
             got = sample_commit(*got_state, args[-1], backend=backend)
             what = f"seed {seed} B {b} stops {n_stop} V {vocab}"
             for name, x, y in zip(("kept", "done", "ctx_pos"), got, want):
@@ -148,6 +163,35 @@ def test_inverse_cdf_gives_each_token_its_mass():
         assert counts[w[i] == 0].sum() == 0
     top = inverse_cdf(w, torch.full((4,), 1 - 2 ** -24))
     assert bool((w.gather(1, top[:, None]) > 0).all())
+
+
+def check_sample_distribution(device, backend, n=4096, vocab=50):
+    """n requests, one draft each that the target gives weight 0 (always rejected), stratified
+    u_res = (i + 0.5) / n: the committed token k comes up n * w_k / sum(w) times +-1, w =
+    max(p - q, 0), and never where w = 0."""
+    g = torch.Generator().manual_seed(7)
+    p1, q1 = _dist(g, (1, 2, vocab)), _dist(g, (1, 1, vocab))
+    d = int(torch.nonzero(q1[0, 0] > 0)[-1])
+    p1[0, 0, d] = 0.0  # the draft has no target weight: rejected whatever u
+    w = (p1[0, 0] - q1[0, 0]).clamp_min(0)
+    block = torch.tensor([[0, d]]).repeat(n, 1)
+    u = torch.rand((n, 1), generator=g)
+    u_res = (torch.arange(n, dtype=torch.float32) + 0.5) / n
+    state = (torch.arange(n), torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long),
+             torch.zeros(n, dtype=torch.long), torch.zeros(n, 4, dtype=torch.long),
+             torch.zeros(0, dtype=torch.long))
+    args = [t.to(device) for t in (block, p1.expand(n, -1, -1).contiguous(),
+                                   q1.expand(n, -1, -1).contiguous(), u, u_res, *state)]
+    kept, done, _ = sample_commit(*args, 8, backend=backend)
+    assert bool((kept.cpu() == 1).all())  # the drawn token only
+    counts = torch.bincount(args[9][:, 0].cpu(), minlength=vocab).float()
+    want = n * w / w.sum()
+    assert (counts - want).abs().max() <= 1.0 + 1e-6, (backend, counts, want)
+    assert counts[w == 0].sum() == 0
+
+
+def test_sample_commit_distribution_torch():
+    check_sample_distribution("cpu", "torch")
 
 
 def test_sample_accept_follows_the_rule():
@@ -180,7 +224,8 @@ def test_sample_commit_bad_backend():
 _SCRIPT = r"""
 import tests.test_accept_kernels as t
 t.check("cpu", "triton", seeds=range(4))
-t.check_sample("cpu", "triton", seeds=range(3))
+t.check_sample("cpu", "triton", seeds=range(4))
+t.check_sample_distribution("cpu", "triton", n=256)
 print("interp-ok")
 """
 
@@ -214,6 +259,12 @@ def test_kernels_gpu(backend):
 def test_sample_kernels_gpu(backend):
     check_sample("cuda", backend,
                  shapes=((8, 2, 300), (2, 1, 37), (16, 0, 151936), (5, 3, 4097), (32, 2, 1000)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "triton", "cuda"])
+def test_sample_commit_distribution_gpu(backend):
+    check_sample_distribution("cuda", backend)
 
 
 @pytest.mark.gpu

@@ -66,14 +66,16 @@ def greedy_commit_ref(block, post, rows, n_out, start, last, out_tokens, stop_id
 
 def inverse_cdf(dist: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Row-wise draw from unnormalised weights dist [R, V] >= 0 with uniforms u [R] in [0, 1):
-    the first k whose running sum exceeds u * total, i.e. #{k : cdf(k) <= u * total}, capped at
-    the last k with dist > 0 (fp32 rounding at the top end never picks a zero-weight token)."""
+    the first k with dist[k] > 0 whose running sum exceeds u * total; the last k with dist > 0
+    if rounding leaves none. Asking dist[k] > 0 keeps a zero-weight token (top-k / top-p cuts)
+    out even where an fp32 running sum computed in parallel dips by a rounding step."""
     cdf = dist.cumsum(-1)
-    target = u * cdf[:, -1]
-    count = (cdf <= target[:, None]).sum(-1)
+    target = u * dist.sum(-1)
     k = torch.arange(dist.shape[-1], device=dist.device)
+    v = dist.shape[-1]
+    first = torch.where((dist > 0) & (cdf > target[:, None]), k, v).amin(-1)
     last_nz = torch.where(dist > 0, k, torch.zeros_like(k)).amax(-1)
-    return torch.minimum(count, last_nz)
+    return torch.where(first < v, first, last_nz)
 
 
 def sample_accept_ref(block, p, q, u, u_res):

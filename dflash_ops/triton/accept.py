@@ -66,11 +66,13 @@ def _greedy_commit_kernel(block_ptr, post_ptr, rows_ptr, n_out_ptr, start_ptr, l
 
 
 @triton.jit
-def _row_chunk(p_row, q_row, kv, V, q_on):
-    """Entries kv of the row drawn from: (in range, p, max(p - q, 0)); q read only where q_on."""
+def _row_chunk(p_row, q_row, kv, V, q_lim):
+    """Entries kv of the row drawn from: (in range, p, max(p - q, 0)); q read where kv < q_lim
+    (V, or 0 for none: an index bound, not a scalar bool in the mask, which some interpreter
+    versions reject)."""
     inside = kv < V
     pv = tl.load(p_row + kv, mask=inside, other=0.0)
-    qv = tl.load(q_row + kv, mask=inside & q_on, other=0.0)
+    qv = tl.load(q_row + kv, mask=kv < q_lim, other=0.0)
     return inside, pv, tl.maximum(pv - qv, 0.0)
 
 
@@ -80,7 +82,7 @@ def _sample_commit_kernel(block_ptr, p_ptr, q_ptr, u_ptr, ures_ptr, rows_ptr, n_
                           done_ptr, sp_r, sp_j, sq_r, sq_j, V, out_stride, out_width, n_stop,
                           max_new, B: tl.constexpr, BP: tl.constexpr, SP: tl.constexpr,
                           BV: tl.constexpr):
-    r = tl.program_id(0)
+    r = tl.program_id(0).to(tl.int64)  # r * sp_r can pass 2^31 at large R * B * V
     j = tl.arange(0, BP)
     is_d = j < B - 1
     drafts = tl.load(block_ptr + r * B + j + 1, mask=is_d, other=0)
@@ -92,7 +94,7 @@ def _sample_commit_kernel(block_ptr, p_ptr, q_ptr, u_ptr, ures_ptr, rows_ptr, n_
     # the draw at position match: max(p - q, 0) (q = 0 after B-1 acceptances), else p
     p_row = p_ptr + r * sp_r + match * sp_j
     q_row = q_ptr + r * sq_r + tl.minimum(match, B - 2) * sq_j
-    q_on = match < B - 1
+    q_lim = tl.where(match < B - 1, V, 0)  # q's row exists before B-1 acceptances
     k = tl.arange(0, BV)
     mass = 0.0
     pmass = 0.0
@@ -100,25 +102,26 @@ def _sample_commit_kernel(block_ptr, p_ptr, q_ptr, u_ptr, ures_ptr, rows_ptr, n_
     last_p = 0
     for v0 in range(0, V, BV):
         kv = v0 + k
-        inside, pv, rv = _row_chunk(p_row, q_row, kv, V, q_on)
+        inside, pv, rv = _row_chunk(p_row, q_row, kv, V, q_lim)
         mass += tl.sum(rv, axis=0)
         pmass += tl.sum(pv, axis=0)
         last_r = tl.maximum(last_r, tl.max(tl.where(rv > 0, kv, 0), axis=0))
         last_p = tl.maximum(last_p, tl.max(tl.where(pv > 0, kv, 0), axis=0))
     use_r = mass > 0.0
     total = tl.where(use_r, mass, pmass)
-    q_mask = q_on & use_r
+    q_lim = tl.where(use_r, q_lim, 0)  # drawing from p: q not read
     target = tl.load(ures_ptr + r) * total
-    count = 0
+    first = V  # the first k with weight whose running sum exceeds target (V: none yet)
     run = 0.0
     for v0 in range(0, V, BV):
         kv = v0 + k
-        inside, pv, rv = _row_chunk(p_row, q_row, kv, V, q_mask)
+        inside, pv, rv = _row_chunk(p_row, q_row, kv, V, q_lim)
         dv = tl.where(use_r, rv, pv)
         cdf = run + tl.cumsum(dv, axis=0)
-        count += tl.sum(((cdf <= target) & inside).to(tl.int32), axis=0)
+        hit = (dv > 0.0) & (cdf > target) & inside
+        first = tl.minimum(first, tl.min(tl.where(hit, kv, V), axis=0))
         run += tl.sum(dv, axis=0)
-    token = tl.minimum(count, tl.where(use_r, last_r, last_p)).to(tl.int64)
+    token = tl.where(first < V, first, tl.where(use_r, last_r, last_p)).to(tl.int64)
     new = tl.where(j == match, token, drafts)
     _commit(new, match, r, j, rows_ptr, n_out_ptr, start_ptr, last_ptr, stop_ptr, out_ptr,
             ctx_pos_ptr, kept_ptr, done_ptr, out_stride, out_width, n_stop, max_new, B, SP)
@@ -168,7 +171,8 @@ def sample_commit(block, p, q, u, u_res, rows, n_out, start, last, out_tokens, s
     of ``speculator.accept.sample_commit_ref`` (block [R, B] int64, p [R, B, V] and q [R, B-1,
     V] fp32 with unit stride in V, u [R, B-1] and u_res [R] fp32 uniforms; the state as in
     ``greedy_commit``). Two passes over the V probabilities of the one row drawn from (mass and
-    last nonzero token, then the inverse CDF). Returns (kept, done, ctx_pos)."""
+    last nonzero token, then the inverse CDF: the first token with weight whose running sum
+    exceeds u_res * mass). Returns (kept, done, ctx_pos)."""
     r, b = block.shape
     dev = block.device
     _check_state("sample_commit", rows, n_out, start, last, out_tokens, stop_ids)
