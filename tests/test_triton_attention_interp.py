@@ -4,7 +4,8 @@ the error of the dense computation done in fp16).
 
 Cases: every mask mode of ATTN_MODES (non-causal, causal, windows both ways, sinks), GQA 1/4/8,
 D 64/128, block sizes 4/16, requests with seq_len 1/15/16/17/100 and per-request query lengths,
-shuffled block tables with garbage ids past each request's blocks; the key range split 1, 3 and
+shuffled block tables with garbage ids past each request's blocks; every fourth case with the
+caches stored head-major (a strided view); the key range split 1, 3 and
 the automatic choice (the combine kernel); output rows no request owns (zeros); outputs poisoned
 with NaN first. fp16/fp32 only (tl.dot on bf16 is wrong in the interpreter).
 
@@ -30,9 +31,11 @@ def _poisoned_like(q):
 
 
 def run_case(device, dtype, bs, ratio, d, mode, splits, gen_seed, hkv=2, extra_rows=0,
-             backend="triton"):
+             backend="triton", head_major=False):
     """backend "triton" calls the Triton kernel with ``splits``; another name goes through the
-    dispatcher with that backend forced (its own split choice; ``splits`` is ignored)."""
+    dispatcher with that backend forced (its own split choice; ``splits`` is ignored).
+    head_major: the caches hold the same values stored [num_blocks, Hkv, block_size, D] and
+    are passed as the [num_blocks, block_size, Hkv, D] view (models' DFLASH_OPS_KV_LAYOUT=head)."""
     torch.manual_seed(gen_seed)
     causal, window, use_sinks = ATTN_MODES[mode]
     q_lens = [1] + [int(torch.randint(1, 9, ()).item()) for _ in SEQ_LENS[1:]]
@@ -44,6 +47,9 @@ def run_case(device, dtype, bs, ratio, d, mode, splits, gen_seed, hkv=2, extra_r
     args = (q, kc, vc, table, seq_lens, qsl, scale, causal, window, sinks)
     truth = dense_attention(*args, cd=F64)
     dev_args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+    if head_major:
+        for i in (1, 2):
+            dev_args[i] = dev_args[i].transpose(1, 2).contiguous().transpose(1, 2)
     out = _poisoned_like(dev_args[0])
     if backend == "triton":
         from dflash_ops.triton import attention as ta
@@ -53,7 +59,8 @@ def run_case(device, dtype, bs, ratio, d, mode, splits, gen_seed, hkv=2, extra_r
         with dflash_ops.use_backend(backend, ops=["block_attention_out_"]):
             dflash_ops.block_attention(*dev_args, out=out)
     out = out.cpu()
-    what = f"block_attention[{backend}] {mode} {dtype} bs={bs} gqa={ratio} D={d} splits={splits}"
+    what = (f"block_attention[{backend}] {mode} {dtype} bs={bs} gqa={ratio} D={d} "
+            f"splits={splits}{' head-major' if head_major else ''}")
     assert not torch.isnan(out).any(), f"{what}: NaN (a row was not written)"
     if extra_rows:
         assert torch.equal(out[-extra_rows:], torch.zeros_like(out[-extra_rows:])), \
@@ -75,7 +82,8 @@ def check_block_attention(device, dtypes=INTERP_DTYPES, splits_list=(1, 3, None)
                 for splits in splits_list:
                     seed += 1
                     run_case(device, dtype, bs, ratio, d, mode, splits, seed,
-                             extra_rows=2 if seed % 3 == 0 else 0, backend=backend)
+                             extra_rows=2 if seed % 3 == 0 else 0, backend=backend,
+                             head_major=seed % 4 == 1)
 
 
 _SCRIPT = r"""
