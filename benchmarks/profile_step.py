@@ -77,7 +77,8 @@ def target_case(kind: str, batch: int, context: int, rows: int, graph: bool, mod
     fn = lambda: target.forward(ids, ra, st, n, None)  # noqa: E731
     run_prof(fn, rows, f"target {kind} eager B={batch} S={context} ({b} tokens a request)")
     if graph:
-        g, _ = e2e.capture_graph(fn)
+        from dflash_ops import dispatch
+        g, _ = dispatch.capture_graph(fn)
         run_prof(g.replay, rows, f"target {kind} graph B={batch} S={context}")
     e2e.release_caches(target, drafter)
 

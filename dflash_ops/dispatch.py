@@ -290,6 +290,23 @@ def graph_backends():
             _graph_mode.pop()
 
 
+def capture_graph(fn: Callable, device=None):
+    """(graph, fn's outputs): ``fn()`` run once on a side stream (compiles, autotunes, fills
+    caches), then recorded in a CUDA graph, both inside ``graph_backends()`` on ``device``
+    (default: the current one). The warm-up runs for real: its writes are the ones a replay
+    repeats."""
+    with graph_backends(), torch.cuda.device(device):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = fn()
+    return g, out
+
+
 def in_graph_backends() -> bool:
     """Whether a ``graph_backends()`` block is open (code choosing kernels outside the op
     tables, e.g. ``models.linear``, follows it)."""

@@ -216,6 +216,40 @@ def test_sample_accept_follows_the_rule():
     # (seed 1: u[0, 0] >= 1/2; the zero-residual fallback drew from p)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_bad_arguments_named_and_nothing_written(backend):
+    """Every backend goes through one argument check: a ValueError naming the argument, the
+    state tensors untouched."""
+    args = make_sample_case(0)
+    block, p, q, u, u_res, rows, n_out, start, last, out, stops, max_new = args
+    post = torch.zeros_like(block)
+    state = (n_out, start, last, out)
+    before = [t.clone() for t in state]
+    sample_bad = [("block", dict(block=block.int())), ("block", dict(block=block[:, :1])),
+                  ("p", dict(p=p.double())), ("q", dict(q=q[:, :-1])), ("u", dict(u=u[:, :-1])),
+                  ("u_res", dict(u_res=u_res[:-1])), ("rows", dict(rows=rows[:-1])),
+                  ("start", dict(start=start[:-1])), ("last", dict(last=last.int())),
+                  ("out_tokens", dict(out=out.t())), ("stop_ids", dict(stops=stops.float())),
+                  ("p", dict(p=p.transpose(1, 2).contiguous().transpose(1, 2)))]
+    for name, change in sample_bad:
+        kw = dict(block=block, p=p, q=q, u=u, u_res=u_res, rows=rows, stops=stops, out=out)
+        kw.update(change)
+        with pytest.raises(ValueError, match=rf"sample_commit: {name} must"):
+            sample_commit(kw["block"], kw["p"], kw["q"], kw["u"], kw["u_res"], kw["rows"],
+                          n_out, kw.get("start", start),
+                          kw.get("last", last), kw["out"], kw["stops"], max_new,
+                          backend=backend)
+    for name, change in [("post", dict(post=post[:, :-1])), ("rows", dict(rows=rows.float())),
+                         ("n_out", dict(n_out=n_out[:, None]))]:
+        kw = dict(post=post, rows=rows, n_out=n_out)
+        kw.update(change)
+        with pytest.raises(ValueError, match=rf"greedy_commit: {name} must"):
+            greedy_commit(block, kw["post"], kw["rows"], kw["n_out"], start, last, out, stops,
+                          max_new, backend=backend)
+    for t, b in zip(state, before):
+        assert torch.equal(t, b)
+
+
 def test_sample_commit_bad_backend():
     with pytest.raises(ValueError, match="backend must be"):
         sample_commit(*make_sample_case(0), backend="gpu")

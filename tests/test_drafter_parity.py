@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from dflash_ops.models.config import DFlashConfig  # noqa: E402
 from dflash_ops.models.drafter import DFlashDrafter  # noqa: E402
+from dflash_ops.bench.drafter import RefHead  # noqa: E402
 from dflash_ops.models.weights import load_state, save_speculators, save_zlab  # noqa: E402
 
 H, VOCAB, MASK = 64, 101, 100
@@ -51,15 +52,6 @@ def _reference(cfg_dict, seed):
             else:
                 p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
     return ref
-
-
-class _Head(torch.nn.Module):
-    def __init__(self, w):
-        super().__init__()
-        self.weight = w
-
-    def forward(self, x):
-        return F.linear(x, self.weight)
 
 
 def _close_fp32(got, want, step):
@@ -102,7 +94,7 @@ def _run(cfg_dict, fmt, tmp_path, seed=0, steps=(7, 2, 4, 1, 3), device="cpu",
             hid = ref(target_hidden=f, noise_embedding=noise, position_ids=pos,
                       past_key_values=cache, use_cache=True)[:, 1 - bsz:, :]
             dm._crop_to(cache, start)
-            want = ref.compute_logits(hid, _Head(head))[0]
+            want = ref.compute_logits(hid, RefHead(head))[0]
             drafts, got = ours.propose(ids.to(device), req, torch.tensor([start], device=device))
             compare(got[0].float().cpu(), want, step)
             tok = int(want.argmax(-1)[0])

@@ -321,7 +321,7 @@ def graph_step(drafter, inp: dict, batch: int, capture: bool = True):
     return step, bucket
 
 
-class _Head(torch.nn.Module):
+class RefHead(torch.nn.Module):
     """The target's LM head as the reference calls it (``output_head(hidden)``)."""
 
     def __init__(self, w):
@@ -371,7 +371,7 @@ def reference_step(model, drafter, inp: dict, embed, head, batch: int, context: 
     ids = inp["block_ids"]
     pos = torch.arange(past, context + b, device=ids.device)[None].expand(batch, -1)
     scale = float(dm._draft_value(model.config, "input_embedding_scale", 1.0))
-    output_head = _Head(head)
+    output_head = RefHead(head)
 
     def step():
         dm._crop_to(cache, past)  # back to the context before this step (slicing)

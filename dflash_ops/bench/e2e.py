@@ -96,6 +96,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import dispatch
 from .harness import Results, floor_us, measure_floors
 
 BLOCK = 16                 # DFlash block (draft tokens + 1)
@@ -343,23 +344,6 @@ def release_caches(target, drafter) -> None:
     install_caches(target, drafter, 1, 1, KV_BLOCK, fill=False)
 
 
-def capture_graph(fn) -> Tuple[torch.cuda.CUDAGraph, object]:
-    """(graph, outputs) of ``fn()``: warm-up on a side stream, then capture, both under
-    ``dispatch.graph_backends()`` (as DraftStep / VerifyStep capture)."""
-    from .. import dispatch
-
-    with dispatch.graph_backends():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = fn()
-    return g, out
-
-
 def time_replays(fn, rep_ms: float, min_reps: int = 10, max_reps: int = 200) -> dict:
     """Median device time of ``fn()`` (graph replays), CUDA events around each call; the calls
     are queued back to back behind a short sleep kernel, so host launch time is hidden."""
@@ -464,7 +448,7 @@ def measure_case(target, drafter, batch: int, context: int, *, rep_ms: float,
     # plain decode: one token a request at position context
     ids = torch.randint(0, vocab, (batch,), generator=g, device=dev)
     ones = torch.ones(batch, dtype=torch.long, device=dev)
-    dgraph = capture_graph(lambda: target.forward(ids, ra, st, ones, None))[0]
+    dgraph = dispatch.capture_graph(lambda: target.forward(ids, ra, st, ones, None))[0]
     torch.cuda.synchronize()
 
     out = {"batch": batch, "context": context}
@@ -651,12 +635,7 @@ class E2EResults(Results):
                title="implied speedup over plain decoding")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-        fig.suptitle(f"{self.name}: {self.meta.get('gpu', '')} {self.meta.get('date', '')}",
-                     fontsize=9)
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        return path
+        return self._save_figure(fig, path)
 
 
 def report(res: Results, tcfg, dcfg, entries: list, loops: list) -> None:

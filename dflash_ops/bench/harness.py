@@ -375,6 +375,12 @@ class Results:
                    ylabel="% of copy bandwidth (floor / time)", title=title)
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=8)
+        return self._save_figure(fig, path)
+
+    def _save_figure(self, fig, path):
+        """Title (suite, GPU, date), layout, write ``path``, close; returns path."""
+        import matplotlib.pyplot as plt
+
         fig.suptitle(f"{self.name}: {self.meta.get('gpu', '')} {self.meta.get('date', '')}",
                      fontsize=9)
         fig.tight_layout()

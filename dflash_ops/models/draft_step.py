@@ -93,13 +93,5 @@ class DraftStep:
         """Record the step for ``bucket`` in a CUDA graph (inputs: the static buffers). The
         warm-up before capture runs the step once for real on the loaded inputs (its cache
         writes are the ones a replay repeats, so load the step's inputs first)."""
-        with dispatch.graph_backends(), torch.cuda.device(self.drafter.device):
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up: compiles, autotunes, fills caches
-                self._step(bucket)
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                out = self._step(bucket)
-        self._graphs[bucket], self._outs[bucket] = g, out
+        self._graphs[bucket], self._outs[bucket] = dispatch.capture_graph(
+            lambda: self._step(bucket), self.drafter.device)

@@ -66,13 +66,5 @@ class VerifyStep:
 
     def capture(self, bucket: int) -> None:
         """Record the step for ``bucket`` (the warm-up runs it once on the loaded inputs)."""
-        with dispatch.graph_backends(), torch.cuda.device(self.target.device):
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._step(bucket)
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                out = self._step(bucket)
-        self._graphs[bucket], self._outs[bucket] = g, out
+        self._graphs[bucket], self._outs[bucket] = dispatch.capture_graph(
+            lambda: self._step(bucket), self.target.device)

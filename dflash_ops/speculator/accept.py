@@ -119,6 +119,8 @@ def sample_commit(block, p, q, u, u_res, rows, n_out, start, last, out_tokens, s
     on CUDA tensors when installed, else torch (the CUDA kernel becomes the choice once
     measured). p / q / u / u_res are fp32 (p, q with unit stride in V)."""
     backend = _backend(backend, "sample_commit", block)
+    check_commit_args("sample_commit", block, rows, n_out, start, last, out_tokens, stop_ids,
+                      probs=(p, q, u, u_res))
     if backend == "torch":
         return sample_commit_ref(block, p, q, u, u_res, rows, n_out, start, last, out_tokens,
                                  stop_ids, max_new)
@@ -140,6 +142,8 @@ def greedy_commit(block, post, rows, n_out, start, last, out_tokens, stop_ids, m
     the CUDA extension) or the torch ops (``"torch"``). ``"auto"``: triton on CUDA tensors when
     installed, else torch (the CUDA kernel becomes the choice once measured on the GPU)."""
     backend = _backend(backend, "greedy_commit", block)
+    check_commit_args("greedy_commit", block, rows, n_out, start, last, out_tokens, stop_ids,
+                      post=post)
     if backend == "torch":
         return greedy_commit_ref(block, post, rows, n_out, start, last, out_tokens, stop_ids,
                                  max_new)
@@ -151,6 +155,50 @@ def greedy_commit(block, post, rows, n_out, start, last, out_tokens, stop_ids, m
         return outs
     from ..triton.accept import greedy_commit as kernel
     return kernel(block, post, rows, n_out, start, last, out_tokens, stop_ids, max_new)
+
+
+def check_commit_args(op: str, block, rows, n_out, start, last, out_tokens, stop_ids,
+                      post=None, probs=None) -> None:
+    """ValueError naming the argument (expected vs given) before anything is written: block
+    [R, B] int64 (B >= 2 with ``probs``), post [R, B] int64, rows [R], n_out / start / last
+    [N] and stop_ids [S] contiguous int64, out_tokens [N, W] int64 with unit column stride, all
+    on block's device; ``probs`` = (p, q, u, u_res): fp32 [R, B, V], [R, B-1, V], [R, B-1],
+    [R], unit stride in the last dim."""
+    def fail(msg):
+        raise ValueError(f"{op}: {msg}")
+
+    def desc(t):
+        return f"{t.dtype} {list(t.shape)} strides {list(t.stride())} on {t.device}"
+
+    dev = block.device
+    if block.dtype != torch.long or block.dim() != 2 or block.shape[1] < (2 if probs else 1):
+        fail(f"block must be int64 [R, B] with B >= {2 if probs else 1}, got {desc(block)}")
+    r, b = block.shape
+    ints = [("rows", rows, (r,)), ("n_out", n_out, None), ("start", start, None),
+            ("last", last, None), ("stop_ids", stop_ids, None)]
+    n = n_out.shape[0] if n_out.dim() == 1 else -1
+    for name, t, shape in ints:
+        want = shape or ((n,) if name != "stop_ids" else tuple(t.shape))
+        if (t.dtype != torch.long or t.dim() != 1 or tuple(t.shape) != want
+                or not t.is_contiguous() or t.device != dev):
+            fail(f"{name} must be a contiguous 1-D int64 tensor of {list(want)} on {dev}, "
+                 f"got {desc(t)}")
+    if (out_tokens.dtype != torch.long or out_tokens.dim() != 2 or out_tokens.shape[0] != n
+            or out_tokens.stride(1) != 1 or out_tokens.device != dev):
+        fail(f"out_tokens must be int64 [{n}, W] with unit column stride on {dev}, got "
+             f"{desc(out_tokens)}")
+    if post is not None and (post.dtype != torch.long or tuple(post.shape) != (r, b)
+                             or post.device != dev):
+        fail(f"post must be int64 {[r, b]} on {dev}, got {desc(post)}")
+    if probs is not None:
+        p = probs[0]
+        v = p.shape[-1] if p.dim() == 3 else -1
+        for name, t, shape in zip(("p", "q", "u", "u_res"), probs,
+                                  ((r, b, v), (r, b - 1, v), (r, b - 1), (r,))):
+            if (t.dtype != torch.float32 or tuple(t.shape) != shape or t.device != dev
+                    or (t.numel() and t.stride(-1) != 1)):
+                fail(f"{name} must be fp32 {list(shape)} with unit stride in its last dim on "
+                     f"{dev}, got {desc(t)}")
 
 
 def _backend(backend: str, caller: str, block: torch.Tensor) -> str:

@@ -127,17 +127,6 @@ def _sample_commit_kernel(block_ptr, p_ptr, q_ptr, u_ptr, ures_ptr, rows_ptr, n_
             ctx_pos_ptr, kept_ptr, done_ptr, out_stride, out_width, n_stop, max_new, B, SP)
 
 
-def _check_state(op, rows, n_out, start, last, out_tokens, stop_ids):
-    for name, t in (("rows", rows), ("n_out", n_out), ("start", start), ("last", last),
-                    ("stop_ids", stop_ids)):
-        if t.dtype != torch.long or t.dim() != 1 or not t.is_contiguous():
-            raise ValueError(f"{op}: {name} must be a contiguous 1-D int64 tensor, got "
-                             f"{t.dtype} {list(t.shape)} strides {list(t.stride())}")
-    if out_tokens.dtype != torch.long or out_tokens.stride(1) != 1:
-        raise ValueError(f"{op}: out_tokens must be int64 with unit column stride, got "
-                         f"{out_tokens.dtype} strides {list(out_tokens.stride())}")
-
-
 def _outputs(r, b, dev, stop_ids):
     """(kept [R] int64, done [R] int8, ctx_pos [R, B] int64, the stop list: at least one entry
     so the kernel has a valid pointer)."""
@@ -150,10 +139,10 @@ def _outputs(r, b, dev, stop_ids):
 def greedy_commit(block, post, rows, n_out, start, last, out_tokens, stop_ids, max_new: int):
     """See the module docstring; block/post [R, B] int64, rows [R], n_out/start/last [N] and
     out_tokens [N, W] int64 (updated in place), stop_ids [S]. Returns (kept [R] int64, done [R]
-    bool, ctx_pos [R, B] int64)."""
+    bool, ctx_pos [R, B] int64). Arguments are checked by ``speculator.accept.greedy_commit``,
+    the one caller."""
     r, b = block.shape
     dev = block.device
-    _check_state("greedy_commit", rows, n_out, start, last, out_tokens, stop_ids)
     kept, done, ctx_pos, stops = _outputs(r, b, dev, stop_ids)
     if r == 0:
         return kept, done.bool(), ctx_pos
@@ -172,20 +161,11 @@ def sample_commit(block, p, q, u, u_res, rows, n_out, start, last, out_tokens, s
     V] fp32 with unit stride in V, u [R, B-1] and u_res [R] fp32 uniforms; the state as in
     ``greedy_commit``). Two passes over the V probabilities of the one row drawn from (mass and
     last nonzero token, then the inverse CDF: the first token with weight whose running sum
-    exceeds u_res * mass). Returns (kept, done, ctx_pos)."""
+    exceeds u_res * mass). Returns (kept, done, ctx_pos). Arguments are checked by
+    ``speculator.accept.sample_commit``, the one caller."""
     r, b = block.shape
     dev = block.device
-    _check_state("sample_commit", rows, n_out, start, last, out_tokens, stop_ids)
     v = p.shape[-1]
-    if b < 2:
-        raise ValueError(f"sample_commit: block must hold the last token and >= 1 draft, got "
-                         f"{list(block.shape)}")
-    for name, t, shape in (("p", p, (r, b, v)), ("q", q, (r, b - 1, v)), ("u", u, (r, b - 1)),
-                           ("u_res", u_res, (r,))):
-        if tuple(t.shape) != shape or t.dtype != torch.float32 or t.stride(-1) != 1:
-            raise ValueError(f"sample_commit: {name} must be fp32 {list(shape)} with unit "
-                             f"stride in its last dim, got {t.dtype} {list(t.shape)} strides "
-                             f"{list(t.stride())}")
     kept, done, ctx_pos, stops = _outputs(r, b, dev, stop_ids)
     if r == 0:
         return kept, done.bool(), ctx_pos
