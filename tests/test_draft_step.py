@@ -169,3 +169,44 @@ def test_verify_graph_replay_equals_eager():
 def _target_state(t):
     from dflash_ops.models.target import random_state
     return random_state(t.cfg, seed=31)
+
+
+@pytest.mark.parametrize("multiplier, softcap", [(1.0, None), (2.5, None), (1.0, 0.5)])
+def test_greedy_steps_without_logits_give_the_same_tokens(multiplier, softcap):
+    """propose(logits=False) / DraftStep(logits=False) / VerifyStep(logits=False) return no
+    logits and the tokens of the logits path: the argmax on the raw LM-head output where the
+    scale is positive and there is no soft-cap, on the scaled / capped logits otherwise."""
+    import dataclasses
+
+    from dflash_ops.models.verify_step import VerifyStep
+
+    drafters = [_fresh_pair() for _ in range(3)]
+    for d in drafters:
+        d.cfg = dataclasses.replace(d.cfg, output_multiplier=multiplier,
+                                    final_logit_softcapping=softcap)
+    full, greedy, stepped = drafters
+    runner = DraftStep(stepped, max_batch=4, scratch_request=3, logits=False)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(3):
+        ctx, req, pos, ids, reqs, start = _inputs(full, step, 3, gen)
+        for d in (full, greedy):
+            d.add_context(ctx, req, pos)
+        want_t, want_z = full.propose(ids, reqs, start)
+        assert torch.equal(want_t, want_z.argmax(-1))
+        got_t, got_z = greedy.propose(ids, reqs, start, logits=False)
+        assert got_z is None and torch.equal(got_t, want_t)
+        bucket = runner.load(ctx, req, pos, ids, reqs, start)
+        got_t, got_z = runner.run(bucket)
+        assert got_z is None and torch.equal(got_t[:3], want_t)
+
+    target, _ = _pair(4, seed=5)
+    for r in range(3):
+        target.add_request(r, 40)
+    ids = torch.randint(0, 50, (3, 4), generator=gen)
+    reqs, st = torch.arange(3), torch.tensor([0, 2, 5])
+    want, _ = target.forward(ids.reshape(-1), reqs, st, torch.full((3,), 4), None)
+    assert want.dtype == torch.float32
+    vstep = VerifyStep(target, max_batch=4, block_size=4, tap_layers=[1], scratch_request=3,
+                       logits=False)
+    logits, post, _ = vstep.run(vstep.load(ids, reqs, st))
+    assert logits is None and torch.equal(post[:3], want.view(3, 4, -1).argmax(-1))

@@ -213,7 +213,7 @@ class _ScriptedDrafter:
     def add_context(self, *a):
         pass
 
-    def propose(self, block, requests, start):
+    def propose(self, block, requests, start, logits=True):
         b = block.shape[1]
         out = torch.zeros(block.shape[0], b - 1, dtype=torch.long)
         for i, (r, s) in enumerate(zip(requests.tolist(), start.tolist())):

@@ -52,7 +52,7 @@ Columns (tables per context length S, one row block per batch, then a summary ta
     FLOPs = 2*B*N*(H*T*Ht + L*2*Hkv*D*H) (fc, context K/V) + 2*B*b*L*((Hq + 2Hkv)*D*H +
             H*Hq*D + 3*I*H) (layers) + 4*B*b*L*Hq*D*(S + b) (attention) + 2*B*(b-1)*V*H (LM head)
   Not counted: the block's own K/V (kept on chip by a minimal step), norms / RoPE / softmax
-  arithmetic, and our logits output (fp32 [B, 15, V]: 9 MB at B 1, 584 MB at B 64).
+  arithmetic, and our logits output (bf16 [B, 15, V]: 4.6 MB at B 1, 292 MB at B 64).
   At B 1, S 1024: 3.44 GB (weights 3.43) -> ~0.8 ms at ~4.3 TB/s (the issue's "about 0.77 ms"
   matches the weights with the k/v weights read once: the stacked copy is 84 MB, 2.4%). B 64,
   S 4096: 8.9 GB but 3.8 TFLOP -> ~5.4 ms at ~700 TFLOP/s (FLOP-bound from B ~16 at S 1024).
@@ -529,7 +529,7 @@ NOTES = [
     "B*N*T*Ht + new K/V written B*N*L*2*Hkv*D] (b 16, N 16, T 5 taps, Ht 4096); FLOPs = "
     "2*B*N*(H*T*Ht + L*2*Hkv*D*H) + 2*B*b*L*((Hq+2Hkv)*D*H + H*Hq*D + 3*I*H) + "
     "4*B*b*L*Hq*D*(S+b) + 2*B*(b-1)*V*H; not counted: the block's own K/V, elementwise math, "
-    "our fp32 logits output; the floor row's note itemizes",
+    "our logits output (bf16); the floor row's note itemizes",
     "ref / us = reference time / this column's time (speed-up over the reference)",
 ]
 

@@ -437,18 +437,21 @@ def measure_case(target, drafter, batch: int, context: int, *, rep_ms: float,
     ctx_pos = (context - b + torch.arange(b, device=dev)).repeat(batch)
     block = torch.full((batch, b), dcfg.mask_token_id, dtype=torch.long, device=dev)
     block[:, 0] = torch.randint(0, vocab, (batch,), generator=g, device=dev)
-    dstep = DraftStep(drafter, max_batch=batch, scratch_request=batch, block_size=b)
+    dstep = DraftStep(drafter, max_batch=batch, scratch_request=batch, block_size=b,
+                      logits=False)  # greedy: argmax on the bf16 LM-head output
     bucket = dstep.load(taps, ctx_req, ctx_pos, block, ra, st)
     dstep.capture(bucket)
     # the verify step: b random tokens a request at positions context .. context+b-1
     vstep = VerifyStep(target, max_batch=batch, block_size=b,
-                       tap_layers=dcfg.target_layer_ids, scratch_request=batch)
+                       tap_layers=dcfg.target_layer_ids, scratch_request=batch,
+                       logits=False)
     vbucket = vstep.load(torch.randint(0, vocab, (batch, b), generator=g, device=dev), ra, st)
     vstep.capture(vbucket)
     # plain decode: one token a request at position context
     ids = torch.randint(0, vocab, (batch,), generator=g, device=dev)
     ones = torch.ones(batch, dtype=torch.long, device=dev)
-    dgraph = dispatch.capture_graph(lambda: target.forward(ids, ra, st, ones, None))[0]
+    dgraph = dispatch.capture_graph(  # a greedy decode step: forward + argmax
+        lambda: target.forward(ids, ra, st, ones, None, fp32_logits=False)[0].argmax(-1))[0]
     torch.cuda.synchronize()
 
     out = {"batch": batch, "context": context}

@@ -7,8 +7,9 @@ bucket: padded context rows get position -1 (their slot is -1: written nowhere),
 rows run as a scratch request slot whose cache blocks nobody reads. ``run(bucket)`` runs the
 step eagerly; ``capture(bucket)`` records it in a CUDA graph (after a warm-up on a side stream,
 under ``dispatch.graph_backends()``) and later ``run`` calls replay it. Outputs: ``tokens``
-[bucket, B-1] (greedy drafts) and ``logits`` [bucket, B-1, V], static tensors overwritten by
-each run.
+[bucket, B-1] (greedy drafts) and ``logits`` [bucket, B-1, V] fp32 (None with ``logits=False``:
+greedy drafting, the argmax taken on the LM head's model-dtype output), static tensors
+overwritten by each run.
 """
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ from .drafter import DFlashDrafter
 
 class DraftStep:
     def __init__(self, drafter: DFlashDrafter, max_batch: int, scratch_request: int,
-                 block_size: Optional[int] = None):
+                 block_size: Optional[int] = None, logits: bool = True):
         cfg = drafter.cfg
+        self.want_logits = logits  # False (greedy): ``logits`` is None, no fp32 logits made
         dev = drafter.device
         self.drafter, self.max_batch = drafter, max_batch
         self.b = block_size or cfg.block_size
@@ -77,7 +79,8 @@ class DraftStep:
     def _step(self, bucket: int) -> tuple:
         d = self.drafter
         d.add_context(self.ctx_hidden, self.ctx_req, self.ctx_pos)
-        return d.propose(self.block_ids[:bucket], self.requests[:bucket], self.start[:bucket])
+        return d.propose(self.block_ids[:bucket], self.requests[:bucket], self.start[:bucket],
+                         logits=self.want_logits)
 
     def run(self, bucket: int) -> tuple:
         """(tokens [bucket, B-1], logits [bucket, B-1, V]); replays the graph if captured."""

@@ -13,7 +13,7 @@ Per step, for a batch of requests:
   overwrites them with the committed tokens' context K/V: the cache keeps context only), then
   ``block_attention`` over context + block (non-causal unless the layer is causal/sliding),
   ``o_proj``, residual, SwiGLU MLP; final norm; the LM head on the mask rows only; logits
-  scaled and soft-capped as the config says; greedy tokens.
+  (model dtype; fp32 when the config scales or soft-caps them); greedy tokens.
 
 Weights are the checkpoint's (names of DFLASH.md, ``models.weights``); the embedding and LM head
 come from the target unless the checkpoint ships its own. Every request's block has the same
@@ -156,8 +156,15 @@ class DFlashDrafter:
         return OPS.rms_norm(x, self.norm, cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head's output: in the model dtype when the config neither scales nor
+        soft-caps it (the reference's logits; consumers that need fp32, e.g. the sampling
+        probabilities, cast them, and a greedy argmax needs no cast: a [960, 151936] fp32 copy
+        is 0.58 GB written and read at batch 64), else in fp32, scaled and soft-capped."""
         cfg = self.cfg
-        z = linear(hidden, self.lm_head).float()
+        z = linear(hidden, self.lm_head)
+        if cfg.output_multiplier == 1 and not cfg.final_logit_softcapping:
+            return z
+        z = z.float()
         if cfg.output_multiplier != 1:  # in place: z is [rows, V] fp32 (0.6 GB at 1024 rows)
             z.mul_(cfg.output_multiplier)
         if cfg.final_logit_softcapping:
@@ -165,15 +172,24 @@ class DFlashDrafter:
             z = torch.tanh(z / cap) * cap
         return z
 
-    def propose(self, block_ids: torch.Tensor, requests: torch.Tensor, start: torch.Tensor):
-        """(draft tokens [R, B-1], their logits [R, B-1, V]) for the mask rows of each block."""
+    def propose(self, block_ids: torch.Tensor, requests: torch.Tensor, start: torch.Tensor,
+                logits: bool = True):
+        """(draft tokens [R, B-1], their logits [R, B-1, V] (``logits()``: model dtype unless
+        scaled or soft-capped)) for the mask rows of each block. ``logits=False`` (greedy
+        drafting) returns (tokens, None) and, where the argmax of the raw LM-head output is the
+        argmax of the logits (a positive scale and no soft-cap: the fp32 cast and the scale
+        are exact and monotone), takes it on the model-dtype output without an fp32 copy."""
         r, b = block_ids.shape
         hidden = self.forward_block(block_ids, requests, start).view(r, b, -1)[:, 1:]
-        z = self.logits(hidden)
+        cfg = self.cfg
+        if not logits and cfg.output_multiplier > 0 and not cfg.final_logit_softcapping:
+            z = linear(hidden, self.lm_head)
+        else:
+            z = self.logits(hidden)
         tokens = z.argmax(-1)
         if self.d2t is not None:  # reduced draft vocabulary: draft id -> target id
             tokens = tokens + self.d2t[tokens]
-        return tokens, z
+        return tokens, (z if logits else None)
 
 
 def random_drafter_state(cfg: DFlashConfig, seed: int = 0) -> dict:

@@ -350,7 +350,7 @@ class Target:
         return torch.as_tensor(v, dtype=dtype, device=self.device).reshape(-1)
 
     def forward(self, ids: torch.Tensor, requests, starts, q_lens,
-                tap_layers: Optional[Sequence[int]] = None):
+                tap_layers: Optional[Sequence[int]] = None, fp32_logits: bool = True):
         """Causal forward of R requests' new tokens.
 
         ids [T] int64: the new tokens, grouped by request in the order of ``requests``;
@@ -359,7 +359,9 @@ class Target:
         tap_layers: z-lab layer ids whose outputs to return.
 
         Returns ``(logits [T, V] fp32, taps [T, len(tap_layers) * H] or None)``; taps are in the
-        model dtype, concatenated in the order of ``tap_layers``.
+        model dtype, concatenated in the order of ``tap_layers``. ``fp32_logits=False`` leaves
+        the logits in the model dtype (greedy steps: their argmax is the fp32 argmax, since the
+        cast is exact, without writing and reading a [T, V] fp32 copy).
         """
         cfg = self.cfg
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -423,7 +425,9 @@ class Target:
             h = OPS.rms_norm(x, self.norm, cfg.rms_norm_eps)
         else:
             OPS.fused_add_rms_norm_(h, x, self.norm, cfg.rms_norm_eps)
-        logits = linear(h, self.lm_head).float()
+        logits = linear(h, self.lm_head)
+        if fp32_logits:
+            logits = logits.float()
         tap_out = None
         if tap_layers is not None:
             tap_out = torch.cat([tapped[i] for i in taps], dim=-1) if taps else x.new_zeros(t, 0)

@@ -4,7 +4,8 @@
 A step = the target forward of up to ``max_batch`` blocks of B tokens (causal, paged KV) + the
 greedy tokens per row + the tap hidden states the drafter needs. Inputs are copied into static
 buffers (``load``); padded requests run as a scratch request slot at positions [0, B) whose
-cache blocks nobody reads. Outputs (static, overwritten by each run): ``logits`` [bucket, B, V],
+cache blocks nobody reads. Outputs (static, overwritten by each run): ``logits`` [bucket, B, V] fp32
+(None with ``logits=False``: greedy verification, the argmax taken on the model-dtype logits),
 ``post`` [bucket, B] (argmax per row) and ``taps`` [bucket * B, n_taps * H].
 """
 from __future__ import annotations
@@ -18,8 +19,9 @@ from .. import dispatch
 
 class VerifyStep:
     def __init__(self, target, max_batch: int, block_size: int, tap_layers: Sequence[int],
-                 scratch_request: int):
+                 scratch_request: int, logits: bool = True):
         dev = target.device
+        self.want_logits = logits  # False (greedy): ``logits`` is None, argmax on model dtype
         self.target, self.max_batch, self.b = target, max_batch, block_size
         self.tap_layers = list(tap_layers)
         self.scratch = scratch_request
@@ -52,12 +54,14 @@ class VerifyStep:
     def _step(self, bucket: int) -> tuple:
         logits, taps = self.target.forward(self.ids[:bucket].reshape(-1),
                                            self.requests[:bucket], self.start[:bucket],
-                                           self.q_lens[:bucket], self.tap_layers)
+                                           self.q_lens[:bucket], self.tap_layers,
+                                           fp32_logits=self.want_logits)
         logits = logits.view(bucket, self.b, -1)
-        return logits, logits.argmax(-1), taps
+        return (logits if self.want_logits else None), logits.argmax(-1), taps
 
     def run(self, bucket: int) -> tuple:
-        """(logits [bucket, B, V], post [bucket, B], taps); replays the graph if captured."""
+        """(logits [bucket, B, V] or None, post [bucket, B], taps); replays the graph if
+        captured."""
         g: Optional[torch.cuda.CUDAGraph] = self._graphs.get(bucket)
         if g is None:
             return self._step(bucket)

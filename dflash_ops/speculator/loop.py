@@ -197,9 +197,11 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
             from ..models.draft_step import DraftStep
             from ..models.verify_step import VerifyStep
             try:
-                dstep = DraftStep(drafter, max_batch=n, scratch_request=n, block_size=bsz)
+                dstep = DraftStep(drafter, max_batch=n, scratch_request=n, block_size=bsz,
+                                  logits=sampling)
                 vstep = VerifyStep(target, max_batch=n, block_size=bsz,
-                                   tap_layers=cfg.target_layer_ids, scratch_request=n)
+                                   tap_layers=cfg.target_layer_ids, scratch_request=n,
+                                   logits=sampling)
             except (ValueError, RuntimeError) as e:
                 if auto:  # no room for the scratch slot (e.g. no free blocks): direct calls
                     if dstep is not None:
@@ -271,9 +273,10 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
                 bucket = dstep.load(*pending, block, ra, st)
                 t0 += capture(dstep, bucket)  # capture time is not draft time
                 drafts, dlogits = dstep.run(bucket)
-                drafts, dlogits = drafts[:r_n], dlogits[:r_n]
+                drafts = drafts[:r_n]
+                dlogits = dlogits[:r_n] if sampling else None
             else:
-                drafts, dlogits = drafter.propose(block, ra, st)
+                drafts, dlogits = drafter.propose(block, ra, st, logits=sampling)
             if sampling:
                 q = probs_from_logits(dlogits, temperature, top_p, top_k)  # [R, B-1, V]
                 drafts = _sample(q, generator)
@@ -284,11 +287,12 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
                 bucket = vstep.load(block, ra, st)
                 t1 += capture(vstep, bucket)
                 logits, vpost, taps = vstep.run(bucket)
-                logits, vpost, taps = logits[:r_n], vpost[:r_n], taps[:r_n * bsz]
+                vpost, taps = vpost[:r_n], taps[:r_n * bsz]
+                logits = logits[:r_n] if sampling else None
             else:
                 logits, taps = target.forward(block.reshape(-1), ra, st,
                                               torch.full((len(act),), bsz, device=dev),
-                                              cfg.target_layer_ids)
+                                              cfg.target_layer_ids, fp32_logits=sampling)
                 logits = logits.view(len(act), bsz, -1)
                 vpost = None
             sync()
