@@ -2,10 +2,12 @@
 # The one script run on the H200 (device tool): install (builds dflash_ops._C), info, check, the
 # GPU tests, the benchmarks. Logs and result tables go under $OUT (at most 8 files come back:
 # more are packed into $OUT/all.tgz at the end).
-# Usage: bash benchmarks/gpu_check.sh [build|probe|tests|bench|ctx|attn|sweep|linear|drafter|e2e|layout|profile|cmake|all]
+# Usage: bash benchmarks/gpu_check.sh [build|probe|tests|bench|ctx|attn|sweep|linear|drafter|e2e|layout|models|profile|cmake|all]
 #   (all: tests + bench + ctx; build: install and info only)
 #   probe: every bad-input case through the C++ checks, one subprocess each (segfault hunt)
 #   attn:  the attention suite (BENCH_ARGS: --quick, --cases, --tables, --no-flex)
+#   models: bench_drafter (DRAFTER_ARGS, default --no-ref), bench_e2e (E2E_ARGS, default --quick)
+#          and profile_step (PROFILE_ARGS) in one call
 #   layout: the paged attention table (with the head-major cache column), then the drafter and
 #          e2e quick suites with DFLASH_OPS_KV_LAYOUT=head (into $OUT/results-head)
 # Set DFLASH_OPS_COMMIT (the device copy has no .git) so result files name the commit.
@@ -66,6 +68,14 @@ if [ "$what" = layout ]; then  # the head-major cache experiment (benchmarks/NOT
       --out "$OUT/results-head" > "$OUT/bench_${suite}_head.log" 2>&1
     grep -A8 "^summary" "$OUT/bench_${suite}_head.log"
   done
+fi
+if [ "$what" = models ]; then  # drafter + e2e suites and the step profiles in one call (~5 min)
+  timeout 240 python3 benchmarks/bench_drafter.py ${DRAFTER_ARGS:---no-ref} --out "$OUT/results" \
+    > "$OUT/bench_drafter.log" 2>&1; grep -A14 "^summary" "$OUT/bench_drafter.log"
+  timeout 150 python3 benchmarks/bench_e2e.py ${E2E_ARGS:---quick} --out "$OUT/results" \
+    > "$OUT/bench_e2e.log" 2>&1; grep -A8 "^summary" "$OUT/bench_e2e.log"
+  timeout 120 python3 benchmarks/profile_step.py ${PROFILE_ARGS:---graph --cases drafter:64x4096,drafter:1x1024,decode:1x1024} \
+    > "$OUT/profile.log" 2>&1; grep -A12 "graph" "$OUT/profile.log" | head -60
 fi
 if [ "$what" = profile ]; then  # kernel tables of the drafter / verify / decode steps
   timeout 400 python3 benchmarks/profile_step.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/profile.log"

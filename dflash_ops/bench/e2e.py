@@ -36,7 +36,8 @@ replayed >= 10 times and for ~300 ms, ``--quick`` >= 5 times and ~100 ms):
 * ``draft+verify``: the two replays back to back: the time of one iteration on the GPU.
 * ``decode``: ``Target.forward`` of one token a request at position S, captured in a graph.
 * host loop: ``speculator.loop``'s per-iteration work for steps="graphs", greedy, time_stages=False
-  (load the draft inputs, replay, write the drafts into the block, load, replay the verify,
+  (``load_next`` of the draft inputs: one copy + one ``prepare_step_``, replay, ``load_next``
+  of the verify block: one ``prepare_step_``, replay the verify,
   ``accept.greedy_commit`` (match + commit + state + next context rows in one kernel), one
   ``.tolist()`` of the done flags and counts: its one host sync), repeated, timed with the host
   clock to the last sync; the starts are put back to S after each iteration (one extra small
@@ -372,13 +373,12 @@ def host_loop(dstep, vstep, batch: int, context: int, pending: tuple, stop_id: i
               iters: int, warmup: int = 3) -> float:
     """Seconds of host wall time per iteration of speculator.loop's greedy steps="graphs" path
     with time_stages=False (its one host sync an iteration). ``pending``: the first draft step's
-    context rows (taps, requests, positions). One addition: the starts are reset to
+    context rows (taps [R * B], requests [R], positions [R, B]). One addition: the starts are reset to
     ``context`` after each iteration (one small kernel), so the caches need no room to grow."""
     from ..speculator.accept import greedy_commit
 
     dev = vstep.ids.device
     bsz = vstep.b
-    mask_id = dstep.drafter.cfg.mask_token_id
     ra = torch.arange(batch, device=dev)
     start_t = torch.full((batch,), context, dtype=torch.long, device=dev)
     last = torch.zeros(batch, dtype=torch.long, device=dev)
@@ -391,19 +391,15 @@ def host_loop(dstep, vstep, batch: int, context: int, pending: tuple, stop_id: i
         if it == warmup:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-        st = start_t[ra]
-        block = torch.full((batch, bsz), mask_id, dtype=torch.long, device=dev)
-        block[:, 0] = last[ra]
-        bucket = dstep.load(*pending, block, ra, st)
+        bucket = dstep.load_next(ra, last, start_t, *pending)
         drafts, _ = dstep.run(bucket)
-        block[:, 1:] = drafts[:batch]
-        bucket = vstep.load(block, ra, st)
+        bucket = vstep.load_next(ra, last, start_t, drafts[:batch])
         _, vpost, taps = vstep.run(bucket)
+        block = vstep.ids[:batch]
         post, taps = vpost[:batch], taps[:batch * bsz]
         kept, fin, ctx_pos = greedy_commit(block, post, ra, n_out, start_t, last, out_tokens,
                                            stop_t, max_new)
-        ctx_req = ra[:, None].expand(-1, bsz).reshape(-1)
-        pending = (taps, ctx_req, ctx_pos.reshape(-1))
+        pending = (taps, ra, ctx_pos)
         flags = torch.stack([fin.long(), kept]).tolist()  # the iteration's one host sync
         finished += sum(1 for x in flags[0] if x)  # the loop's bookkeeping (none finish here)
         committed += sum(flags[1])
@@ -463,7 +459,7 @@ def measure_case(target, drafter, batch: int, context: int, *, rep_ms: float,
     graphs_us = out["draft"]["us"] + out["verify"]["us"]
     iters = max(min_reps, min(100, int(loop_ms * 1e3 / max(graphs_us, 1.0))))
     try:
-        wall = host_loop(dstep, vstep, batch, context, (taps, ctx_req, ctx_pos),
+        wall = host_loop(dstep, vstep, batch, context, (taps, ra, ctx_pos.view(batch, b)),
                          stop_id=target.cfg.vocab_size - 1, iters=iters)
         out["loop"] = {"wall_us": wall * 1e6, "graphs_us": graphs_us,
                        "idle_us": wall * 1e6 - graphs_us, "iters": iters}

@@ -76,6 +76,26 @@ class DraftStep:
         self.start[r:bucket].fill_(0)
         return bucket
 
+    def load_next(self, rows, last, start, ctx_hidden, ctx_rows, ctx_pos) -> int:
+        """The loop's load, from the per-request state on the device: the block ``[last[rows[i]],
+        MASK...]`` at ``start[rows[i]]`` for each active request (rows [R]; last, start [N] per
+        request slot), and the previous verify's committed rows as context: ctx_hidden [Rc * B,
+        width] with ctx_rows [Rc] (their requests) and ctx_pos [Rc, B] (positions, -1: not
+        committed). One copy (ctx_hidden) + one ``prepare_step_`` launch; returns the bucket."""
+        from ..speculator.prepare import prepare_step_
+
+        n_ctx = ctx_hidden.shape[0]
+        if n_ctx > self.ctx_hidden.shape[0] or n_ctx != ctx_pos.numel():
+            raise ValueError(f"DraftStep.load_next: ctx_hidden has {n_ctx} rows; it must have "
+                             f"one per ctx_pos entry ({ctx_pos.numel()}) and at most "
+                             f"{self.ctx_hidden.shape[0]} (max_batch * block_size)")
+        bucket = self.bucket(rows.shape[0])
+        self.ctx_hidden[:n_ctx].copy_(ctx_hidden)
+        prepare_step_(rows, last, start, None, ctx_rows, ctx_pos, self.drafter.cfg.mask_token_id,
+                      self.scratch, self.block_ids[:bucket], self.requests[:bucket],
+                      self.start[:bucket], self.ctx_req, self.ctx_pos)
+        return bucket
+
     def _step(self, bucket: int) -> tuple:
         d = self.drafter
         d.add_context(self.ctx_hidden, self.ctx_req, self.ctx_pos)

@@ -144,7 +144,7 @@ class DFlashDrafter:
             OPS.qk_norm_rope_(q, k, lw["q_norm"], lw["k_norm"], pos, self.cos_sin,
                               cfg.rms_norm_eps, cfg.rope_is_neox)
             OPS.store_kv_(k[:, None], v[:, None], [self.cache.k[i]], [self.cache.v[i]], slots)
-            attn = OPS.block_attention(q.contiguous(), self.cache.k[i], self.cache.v[i], table,
+            attn = OPS.block_attention(q, self.cache.k[i], self.cache.v[i], table,
                                        seq_lens, qsl, self.scale, lw["causal"], lw["window"],
                                        lw["sinks"])
             o = linear(attn.view(-1, hq * d), lw["o"], lw["o_b"])

@@ -410,7 +410,7 @@ class Target:
                 OPS.rope_(q, pos, self.cos_sin, cfg.rope_is_neox)
                 OPS.rope_(k, pos, self.cos_sin, cfg.rope_is_neox)
             OPS.store_kv_(k[:, None], v[:, None], [self.cache.k[i]], [self.cache.v[i]], slots)
-            attn = OPS.block_attention(q.contiguous(), self.cache.k[i], self.cache.v[i], table,
+            attn = OPS.block_attention(q, self.cache.k[i], self.cache.v[i], table,
                                        seq_lens, qsl, self.scale, True)
             o = linear(attn.view(t, hq * d), lw["o"], lw["o_b"])
             OPS.fused_add_rms_norm_(o, x, lw["post_ln"], cfg.rms_norm_eps)  # x += o; o = norm(x)

@@ -51,6 +51,18 @@ class VerifyStep:
         self.start[r:bucket].zero_()
         return bucket
 
+    def load_next(self, rows, last, start, drafts) -> int:
+        """The loop's load, from the per-request state on the device: the block ``[last[rows[i]],
+        drafts[i]...]`` at ``start[rows[i]]`` (rows [R]; last, start [N] per request slot; drafts
+        [R, B-1]) in one ``prepare_step_`` launch; returns the bucket. ``ids[:R]`` is then the
+        verified block."""
+        from ..speculator.prepare import prepare_step_
+
+        bucket = self.bucket(rows.shape[0])
+        prepare_step_(rows, last, start, drafts.contiguous(), None, None, 0, self.scratch,
+                      self.ids[:bucket], self.requests[:bucket], self.start[:bucket])
+        return bucket
+
     def _step(self, bucket: int) -> tuple:
         logits, taps = self.target.forward(self.ids[:bucket].reshape(-1),
                                            self.requests[:bucket], self.start[:bucket],

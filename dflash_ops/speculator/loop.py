@@ -26,11 +26,12 @@ with the commit on CUDA). The output then has the target's distribution exactly
 
 Steps (``steps="graphs"``, the default on CUDA (``"auto"``) where the caches have the spare slot
 below; ``"static"`` runs the same path without capture, the CPU test of it; ``"direct"`` the plain
-calls): the draft step (``models.draft_step``) takes
-the previous iteration's committed rows as its context precompute and runs the block forward +
-LM head + argmax; the verify step (``models.verify_step``) runs the target on the block. Both
-work on static buffers padded to a bucket (the next power of two of the active requests, at most
-the batch), captured as one CUDA graph per bucket on first use (Stats.seconds["capture"]); the
+calls): the draft step (``models.draft_step``) takes the previous iteration's committed rows
+as its context precompute and runs the block forward + LM head + argmax; the verify step
+(``models.verify_step``) runs the target on the block. Both work on static buffers padded to a
+bucket (the next power of two of the active requests, at most the batch), filled from the
+device state (``last``, ``start``, the drafts, the committed context rows) by one
+``prepare.prepare_step_`` launch each (``load_next``), captured as one CUDA graph per bucket on first use (Stats.seconds["capture"]); the
 padded rows run as a scratch request slot (the first slot past the batch: both caches need one
 spare slot). A request that finishes frees its cache slots at once; its pending context rows
 then map to slot -1 and are written nowhere.
@@ -223,9 +224,10 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
         _sync(dev)
         stats.seconds["prefill"] += time.perf_counter() - t0
         # steps: the committed rows of the last verify, added to the drafter's context by the
-        # next draft step (rows, their request slots, positions; -1 = not committed)
+        # next draft step (hidden rows [Rc * B], their request slots [Rc], positions [Rc, B];
+        # -1 = not committed)
         width_taps = cfg.n_taps * cfg.target_hidden_size
-        pending = (taps.new_zeros(0, width_taps), reqs[:0], pos[:0])
+        pending = (taps.new_zeros(0, width_taps), reqs[:0], pos.new_zeros(0, bsz))
         # device state: the token buffer and per-request counters; the host reads only the
         # done flags and committed counts, once an iteration
         width = max_new_tokens + bsz + 1
@@ -264,32 +266,33 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
             now = [r for r in range(n) if not done[r]]
             if now != act:
                 act, ra = now, torch.tensor(now, device=dev)
-            st = start_t[ra]
-            block = torch.full((len(act), bsz), cfg.mask_token_id, dtype=torch.long, device=dev)
-            block[:, 0] = last[ra]
             t0 = time.perf_counter()
             r_n = len(act)
-            if dstep is not None:
-                bucket = dstep.load(*pending, block, ra, st)
+            if dstep is not None:  # the block and context rows: one prepare_step_ launch
+                bucket = dstep.load_next(ra, last, start_t, *pending)
                 t0 += capture(dstep, bucket)  # capture time is not draft time
                 drafts, dlogits = dstep.run(bucket)
                 drafts = drafts[:r_n]
                 dlogits = dlogits[:r_n] if sampling else None
             else:
+                st = start_t[ra]
+                block = torch.full((r_n, bsz), cfg.mask_token_id, dtype=torch.long, device=dev)
+                block[:, 0] = last[ra]
                 drafts, dlogits = drafter.propose(block, ra, st, logits=sampling)
             if sampling:
                 q = probs_from_logits(dlogits, temperature, top_p, top_k)  # [R, B-1, V]
                 drafts = _sample(q, generator)
-            block[:, 1:] = drafts
             sync()
             t1 = time.perf_counter()
             if vstep is not None:
-                bucket = vstep.load(block, ra, st)
+                bucket = vstep.load_next(ra, last, start_t, drafts)
                 t1 += capture(vstep, bucket)
                 logits, vpost, taps = vstep.run(bucket)
+                block = vstep.ids[:r_n]  # [last, drafts] of each request
                 vpost, taps = vpost[:r_n], taps[:r_n * bsz]
                 logits = logits[:r_n] if sampling else None
             else:
+                block[:, 1:] = drafts
                 logits, taps = target.forward(block.reshape(-1), ra, st,
                                               torch.full((len(act),), bsz, device=dev),
                                               cfg.target_layer_ids, fp32_logits=sampling)
@@ -307,11 +310,11 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
                 post = logits.argmax(-1) if vpost is None else vpost
                 kept, fin, ctx_pos = greedy_commit(block, post, ra, n_out, start_t, last,
                                                    out_tokens, stop_t, max_new_tokens)
-            ctx_req = ra[:, None].expand(-1, bsz).reshape(-1)
             if dstep is not None:  # added by the next draft step
-                pending = (taps, ctx_req, ctx_pos.reshape(-1))
+                pending = (taps, ra, ctx_pos)
             else:
-                drafter.add_context(taps, ctx_req, ctx_pos.reshape(-1))
+                drafter.add_context(taps, ra[:, None].expand(-1, bsz).reshape(-1),
+                                    ctx_pos.reshape(-1))
             flags = torch.stack([fin.long(), kept]).tolist()  # the iteration's one sync
             stats.host_syncs += 1
             t3 = time.perf_counter()

@@ -176,3 +176,60 @@ def sample_commit(block, p, q, u, u_res, rows, n_out, start, last, out_tokens, s
         B=b, BP=triton.next_power_of_2(b), SP=triton.next_power_of_2(max(1, stop_ids.numel())),
         BV=min(4096, triton.next_power_of_2(v)))
     return kept, done.bool(), ctx_pos
+
+
+@triton.jit
+def _prepare_step_kernel(rows_ptr, last_ptr, start_ptr, drafts_ptr, ctx_rows_ptr, ctx_pos_ptr,
+                         block_ptr, req_ptr, st_ptr, ctx_req_ptr, ctx_pos_out_ptr,
+                         R, P, RC, C, fill_id, scratch,
+                         B: tl.constexpr, BP: tl.constexpr, HAS_DRAFTS: tl.constexpr):
+    """Program i: block row i (i < P) and context entries [i * B, i * B + B) (< C). Scalars are
+    stored as lane 0 of a vector (masked), so every store has one form."""
+    i = tl.program_id(0)
+    j = tl.arange(0, BP)
+    in_b = j < B
+    lane0 = j == 0
+    zeros = tl.zeros((BP,), tl.int64)
+    if i < P:
+        if i < R:
+            row = tl.load(rows_ptr + i)
+            tok = tl.load(last_ptr + row)
+            st = tl.load(start_ptr + row)
+            if HAS_DRAFTS:
+                d = tl.load(drafts_ptr + i * (B - 1) + j - 1, mask=(j >= 1) & in_b, other=0)
+            else:
+                d = zeros + fill_id
+            tl.store(block_ptr + i * B + j, tl.where(lane0, zeros + tok, d), mask=in_b)
+            tl.store(req_ptr + i + j, zeros + row, mask=lane0)
+            tl.store(st_ptr + i + j, zeros + st, mask=lane0)
+        else:
+            tl.store(block_ptr + i * B + j, zeros + fill_id, mask=in_b)
+            tl.store(req_ptr + i + j, zeros + scratch, mask=lane0)
+            tl.store(st_ptr + i + j, zeros, mask=lane0)
+    e = i * B + j
+    in_c = in_b & (e < C)
+    if i < RC:
+        req = tl.load(ctx_rows_ptr + i)
+        pos = tl.load(ctx_pos_ptr + e, mask=in_c, other=-1)
+        tl.store(ctx_req_ptr + e, zeros + req, mask=in_c)
+        tl.store(ctx_pos_out_ptr + e, pos, mask=in_c)
+    else:
+        tl.store(ctx_req_ptr + e, zeros + scratch, mask=in_c)
+        tl.store(ctx_pos_out_ptr + e, zeros - 1, mask=in_c)
+
+
+def prepare_step(rows, last, start, drafts, ctx_rows, ctx_pos, fill_id: int, scratch: int,
+                 block_out, requests_out, start_out, ctx_req_out, ctx_pos_out) -> None:
+    """``speculator.prepare.prepare_step_``'s contract, one program per block row / B context
+    entries (drafts [0, B-1]: none; ctx_* empty: none). Arguments are checked there, the one
+    caller."""
+    r = rows.shape[0]
+    p, b = block_out.shape
+    c = ctx_req_out.shape[0]
+    grid = max(p, c // b)
+    if grid == 0:
+        return
+    _prepare_step_kernel[(grid,)](
+        rows, last, start, drafts, ctx_rows, ctx_pos, block_out, requests_out, start_out,
+        ctx_req_out, ctx_pos_out, r, p, ctx_rows.shape[0], c, fill_id, scratch,
+        B=b, BP=triton.next_power_of_2(b), HAS_DRAFTS=drafts.shape[0] > 0)
