@@ -26,6 +26,13 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void fused_add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                          double eps);
 
+// silu_mul(Tensor x) -> Tensor
+//   x: [..., 2*I] bf16/fp16/fp32, unit stride in the last dim, leading dims that merge into one
+//   strided dim of rows (a row stride >= 2*I: a slice of a wider GEMM output); I >= 1
+//   returns a new contiguous [..., I] tensor of x's dtype, bit for bit F.silu(gate) * up with
+//   gate = x[..., :I], up = x[..., I:]: T(float(T(silu(float(g)))) * float(u)), expf precise
+at::Tensor silu_mul(const at::Tensor& x);
+
 // rope_(Tensor(a!) x, Tensor positions, Tensor cos_sin_cache, bool is_neox) -> ()
 //   x: [T, Hx, D] bf16/fp16/fp32, any strides with unit stride in D, D in {16, 32, 64, 128, 256}
 //   positions: [T] int64; cos_sin_cache: [P, R] fp32, rows [cos(R/2), sin(R/2)], R even, R <= D
@@ -144,5 +151,14 @@ void sample_commit_(const at::Tensor& block, const at::Tensor& p, const at::Tens
                     at::Tensor& n_out, at::Tensor& start, at::Tensor& last,
                     at::Tensor& out_tokens, const at::Tensor& stop_ids, int64_t max_new,
                     at::Tensor& kept, at::Tensor& done, at::Tensor& ctx_pos);
+
+// dflash_spec::prepare_step_ (csrc/prepare.cu): a speculator step's static inputs (block rows,
+// request slots, starts, padding, context rows) in one launch; contract:
+// dflash_ops/speculator/prepare.py prepare_step_. All int64; drafts with no rows: none.
+void prepare_step_(const at::Tensor& rows, const at::Tensor& last, const at::Tensor& start,
+                   const at::Tensor& drafts, const at::Tensor& ctx_rows,
+                   const at::Tensor& ctx_pos, int64_t fill_id, int64_t scratch,
+                   at::Tensor& block_out, at::Tensor& requests_out, at::Tensor& start_out,
+                   at::Tensor& ctx_req_out, at::Tensor& ctx_pos_out);
 
 }  // namespace dflash_ops

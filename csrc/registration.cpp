@@ -22,6 +22,7 @@ TORCH_LIBRARY_IMPL(dflash, CUDA, m) {
   m.impl("context_kv_", TORCH_FN(dflash_ops::context_kv_));
   m.impl("block_attention", TORCH_FN(dflash_ops::block_attention));
   m.impl("block_attention_out_", TORCH_FN(dflash_ops::block_attention_out_));
+  m.impl("silu_mul", TORCH_FN(dflash_ops::silu_mul));
 }
 
 // The speculator's bookkeeping kernels: schemas here (the package calls them only when this
@@ -34,10 +35,15 @@ TORCH_LIBRARY(dflash_spec, m) {
         "Tensor(a!) n_out, Tensor(b!) start, Tensor(c!) last, Tensor(d!) out_tokens, "
         "Tensor stop_ids, int max_new, Tensor(e!) kept, Tensor(f!) done, Tensor(g!) ctx_pos) "
         "-> ()");
+  m.def("prepare_step_(Tensor rows, Tensor last, Tensor start, Tensor drafts, Tensor ctx_rows, "
+        "Tensor ctx_pos, int fill_id, int scratch, Tensor(a!) block_out, "
+        "Tensor(b!) requests_out, Tensor(c!) start_out, Tensor(d!) ctx_req_out, "
+        "Tensor(e!) ctx_pos_out) -> ()");
 }
 TORCH_LIBRARY_IMPL(dflash_spec, CUDA, m) {
   m.impl("greedy_commit_", TORCH_FN(dflash_ops::greedy_commit_));
   m.impl("sample_commit_", TORCH_FN(dflash_ops::sample_commit_));
+  m.impl("prepare_step_", TORCH_FN(dflash_ops::prepare_step_));
 }
 
 #ifdef DFLASH_OPS_PYTHON_MODULE

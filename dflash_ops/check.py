@@ -37,6 +37,8 @@ def _inputs(op: str, device, dtype, gen) -> Callable:
     seq_lens = torch.tensor([17, 100, 40], dtype=torch.int32, device=device)
     qsl = torch.tensor([0, 16, 32, 33], dtype=torch.int32, device=device)
     bt = torch.randperm(nb, generator=gen)[:3 * 7].view(3, 7).to(torch.int32).to(device)
+    # silu_mul: rows wider than 2*I (a slice of a wider output); drawn last, after the others
+    raw["gate_up"] = rnd(t, 2 * 3 * h + 64)
 
     def make(dt):
         v = {k: x.to(dtype).to(dt) for k, x in raw.items()}
@@ -69,6 +71,8 @@ def _inputs(op: str, device, dtype, gen) -> Callable:
             out = torch.full_like(v["q"], float("nan"))
             return (v["q"], kcs[0], vcs[0], bt, seq_lens, qsl, d ** -0.5, True, 64, None,
                     out), lambda r: [out]
+        if op == "silu_mul":
+            return (v["gate_up"][:, :2 * 3 * h],), lambda r: [r]
         raise KeyError(op)
     return make
 

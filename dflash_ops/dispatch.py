@@ -48,13 +48,16 @@ DEFAULT_CUDA: Dict[str, str] = {
     "kv_proj": "cuda", "context_kv_": "cuda",
     # the CUDA kernel: 1.5-1.6x faster than the Triton one at every benchmarked shape
     # (results/attention-*-paged.md); the torch reference gathers K/V per query row
-    "block_attention": "cuda", "block_attention_out_": "cuda"}
+    "block_attention": "cuda", "block_attention_out_": "cuda",
+    # not benchmarked yet: memory-bound elementwise, the same choice as rms_norm
+    "silu_mul": "cuda"}
 GRAPH_CUDA: Dict[str, str] = {
     "rms_norm": "triton", "fused_add_rms_norm_": "triton", "rope_": "triton",
     "qk_norm_rope_": "triton", "knorm_rope_": "triton", "store_kv_": "cuda",
     # kv_proj: cuBLAS ties or beats the Triton GEMM at every T but 4096 (sweep_context.py)
     "kv_proj": "cuda", "context_kv_": "cuda",
-    "block_attention": "cuda", "block_attention_out_": "cuda"}
+    "block_attention": "cuda", "block_attention_out_": "cuda",
+    "silu_mul": "triton"}  # not benchmarked yet: rms_norm's choice
 _PREFERENCE = ("cuda", "triton", "torch")
 
 _lib = torch.library.Library(NAMESPACE, "DEF")

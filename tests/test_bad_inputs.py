@@ -115,6 +115,10 @@ def base_attn_out():
     return kw
 
 
+def base_silu_mul():
+    return dict(x=rnd(5, 3, 2 * 32))
+
+
 BASES = {
     "rms_norm": base_rms_norm,
     "fused_add_rms_norm_": base_fused_add,
@@ -126,6 +130,7 @@ BASES = {
     "context_kv_": base_context,
     "block_attention": base_attn,
     "block_attention_out_": base_attn_out,
+    "silu_mul": base_silu_mul,
 }
 
 
@@ -321,6 +326,16 @@ CASES = {
         ("eps-negative", set_(eps=-1.0), "eps"),
     ],
 }
+
+CASES["silu_mul"] = [
+    ("x-int", to("x", dtype=I32), "x"),
+    ("x-float64", to("x", dtype=torch.float64), "x"),
+    ("x-0d", set_(x=torch.tensor(1.0)), "x"),
+    ("x-odd-last-dim", set_(x=rnd(5, 3, 63)), "x"),
+    ("x-zero-last-dim", set_(x=rnd(5, 3, 0)), "x"),
+    ("x-last-stride", set_(x=strided_last(5, 3, 64)), "x"),
+    ("x-leading-dims-do-not-merge", set_(x=lambda kw: kw["x"].transpose(0, 1)), "x"),
+]
 
 ATTN_CASES = [
     ("q-rank2", set_(q=rnd(8, 64)), "q"),

@@ -27,6 +27,7 @@ DESIGN_OPS = ["rms_norm", "fused_add_rms_norm_", "rope_", "qk_norm_rope_", "knor
               "store_kv_", "kv_proj", "context_kv_", "block_attention"]
 WRITES = {
     "rms_norm": set(),
+    "silu_mul": set(),
     "fused_add_rms_norm_": {"x", "residual"},
     "rope_": {"x"},
     "qk_norm_rope_": {"q", "k"},
@@ -75,6 +76,7 @@ def _attn():
 
 
 CALLS = {
+    "silu_mul": lambda: dict(x=torch.randn(3, 2 * 64)),
     "rms_norm": lambda: dict(x=torch.randn(3, 64), weight=torch.randn(64), eps=1e-6),
     "fused_add_rms_norm_": lambda: dict(x=torch.randn(3, 64), residual=torch.randn(3, 64),
                                         weight=torch.randn(64), eps=1e-6),

@@ -190,6 +190,15 @@ def _block_attention_out(causal, window, with_sinks):
     return build
 
 
+def _silu_mul(strided):
+    def build(device, dtype):
+        g = _gen(13)
+        if strided:  # rows wider than 2*I: the gate/up part of a wider GEMM output, 3-D
+            return (_rnd(g, 3, 4, 2 * 24 + 8, dtype=dtype, device=device)[:, :, :2 * 24],), {}
+        return (_rnd(g, 7, 2 * 40, dtype=dtype, device=device),), {}
+    return build
+
+
 CASES = [
     ("rms_norm", "w1d", _rms_norm_1d),
     ("rms_norm", "w2d", _rms_norm_2d),
@@ -217,6 +226,8 @@ CASES = [
     ("block_attention_out_", "noncausal-sinks", _block_attention_out(False, -1, True)),
     # causal/window/sinks at their schema defaults: the dispatcher drops such trailing args
     ("block_attention_out_", "all-defaults", _block_attention_out(False, -1, False)),
+    ("silu_mul", "contiguous", _silu_mul(False)),
+    ("silu_mul", "rowstride-3d", _silu_mul(True)),
 ]
 
 # fp32 for every case; bf16 for the cheap ones (everything here is small, so all of them).

@@ -149,9 +149,7 @@ class DFlashDrafter:
                                        lw["sinks"])
             o = linear(attn.view(-1, hq * d), lw["o"], lw["o_b"])
             OPS.fused_add_rms_norm_(o, x, lw["post_ln"], cfg.rms_norm_eps)  # x += o; o = norm
-            gu = linear(o, lw["gate_up"])
-            g, u = gu.chunk(2, dim=-1)
-            h = linear(F.silu(g) * u, lw["down"])
+            h = linear(OPS.silu_mul(linear(o, lw["gate_up"])), lw["down"])  # silu(g) * u
         x = x + h
         return OPS.rms_norm(x, self.norm, cfg.rms_norm_eps)
 

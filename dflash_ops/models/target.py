@@ -414,8 +414,7 @@ class Target:
                                        seq_lens, qsl, self.scale, True)
             o = linear(attn.view(t, hq * d), lw["o"], lw["o_b"])
             OPS.fused_add_rms_norm_(o, x, lw["post_ln"], cfg.rms_norm_eps)  # x += o; o = norm(x)
-            gate, up = linear(o, lw["gate_up"]).chunk(2, dim=-1)
-            h = linear(F.silu(gate) * up, lw["down"])
+            h = linear(OPS.silu_mul(linear(o, lw["gate_up"])), lw["down"])  # silu(g) * u
             if i in taps:   # the layer's output: complete the residual add now
                 x.add_(h)
                 h = None

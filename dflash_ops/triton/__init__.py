@@ -11,6 +11,7 @@ if importlib.util.find_spec("triton") is not None:
     from . import kv  # noqa: F401
     from . import context  # noqa: F401
     from . import attention  # noqa: F401
+    from . import act  # noqa: F401
     AVAILABLE = True
 else:  # pragma: no cover - triton ships with CUDA torch and in the test extras
     AVAILABLE = False
