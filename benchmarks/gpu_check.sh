@@ -2,10 +2,11 @@
 # The one script run on the H200 (device tool): install (builds dflash_ops._C), info, check, the
 # GPU tests, the benchmarks. Logs and result tables go under $OUT (at most 8 files come back:
 # more are packed into $OUT/all.tgz at the end).
-# Usage: bash benchmarks/gpu_check.sh [build|probe|tests|bench|ctx|attn|sweep|linear|drafter|e2e|layout|models|profile|cmake|all]
+# Usage: bash benchmarks/gpu_check.sh [build|probe|tests|bench|ctx|attn|sweep|linear|drafter|e2e|layout|models|attnprobe|profile|cmake|all]
 #   (all: tests + bench + ctx; build: install and info only)
 #   probe: every bad-input case through the C++ checks, one subprocess each (segfault hunt)
 #   attn:  the attention suite (BENCH_ARGS: --quick, --cases, --tables, --no-flex)
+#   attnprobe: benchmarks/attn_probe.py under stages 2/3 x carveout default/100 (BENCH_ARGS)
 #   models: bench_drafter (DRAFTER_ARGS, default --no-ref), bench_e2e (E2E_ARGS, default --quick)
 #          and profile_step (PROFILE_ARGS) in one call
 #   layout: the paged attention table (with the head-major cache column), then the drafter and
@@ -76,6 +77,12 @@ if [ "$what" = models ]; then  # drafter + e2e suites and the step profiles in o
     > "$OUT/bench_e2e.log" 2>&1; grep -A8 "^summary" "$OUT/bench_e2e.log"
   timeout 120 python3 benchmarks/profile_step.py ${PROFILE_ARGS:---graph --cases drafter:64x4096,drafter:1x1024,decode:1x1024} \
     > "$OUT/profile.log" 2>&1; grep -A12 "graph" "$OUT/profile.log" | head -60
+fi
+if [ "$what" = attnprobe ]; then  # attention launch settings: stages x carveout (NOTES.md)
+  for st in 2 3; do for cv in "" 100; do
+    DFLASH_OPS_ATTN_STAGES=$st DFLASH_OPS_ATTN_CARVEOUT=$cv DFLASH_OPS_ATTN_DEBUG=1 \
+      timeout 60 python3 benchmarks/attn_probe.py ${BENCH_ARGS:-} 2>&1 | grep -v "^floors"
+  done; done | tee "$OUT/attn_probe.log"
 fi
 if [ "$what" = profile ]; then  # kernel tables of the drafter / verify / decode steps
   timeout 400 python3 benchmarks/profile_step.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/profile.log"

@@ -57,6 +57,9 @@
 // loads instead of cp.async (same kernel, a uniform branch).
 #include "dflash_ops.h"
 
+#include <cstdio>
+#include <cstdlib>
+
 #include "common.cuh"
 
 #include <ATen/ops/empty.h>
@@ -1036,13 +1039,47 @@ int attn_stages() {
   return stages;
 }
 
+// Shared-memory carveout hint (percent, cudaFuncAttributePreferredSharedMemoryCarveout) for the
+// tensor-core kernel: DFLASH_OPS_ATTN_CARVEOUT=0..100; unset (the default): no hint, the
+// driver's choice. An experiment knob (benchmarks/attn_probe.py): whether the 3-stage kernel
+// (112 KB a CTA) keeps 2 CTAs an SM.
+int attn_carveout() {
+  static const int carveout = [] {
+    const char* v = std::getenv("DFLASH_OPS_ATTN_CARVEOUT");
+    if (v == nullptr || *v == 0) return -1;
+    const int c = std::atoi(v);
+    return c < 0 ? -1 : (c > 100 ? 100 : c);
+  }();
+  return carveout;
+}
+
 template <class E, int D, int S>
 void launch_mma(const AttnParams& p, dim3 grid, cudaStream_t stream) {
   constexpr int smem = MmaTile<D, S>::SMEM;
-  if (smem > 48 * 1024) {
+  if (smem > 48 * 1024) {  // per launch: attributes are per device
     C10_CUDA_CHECK(cudaFuncSetAttribute(attn_mma_kernel<E, D, S>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   }
+  if (attn_carveout() >= 0) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(attn_mma_kernel<E, D, S>,
+                                        cudaFuncAttributePreferredSharedMemoryCarveout,
+                                        attn_carveout()));
+  }
+  static const bool reported = [] {  // DFLASH_OPS_ATTN_DEBUG=1: once per instantiation
+    const char* dbg = std::getenv("DFLASH_OPS_ATTN_DEBUG");
+    if (dbg == nullptr || *dbg != '1') return false;
+    int blocks = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &blocks, attn_mma_kernel<E, D, S>, kThreads, smem));
+    cudaFuncAttributes fa{};
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, attn_mma_kernel<E, D, S>));
+    std::fprintf(stderr,
+                 "[dflash attention] attn_mma_kernel<D %d, stages %d>: %d B shared, %d "
+                 "registers, carveout %d, occupancy %d CTAs an SM\n",
+                 D, S, smem, fa.numRegs, attn_carveout(), blocks);
+    return true;
+  }();
+  (void)reported;
   attn_mma_kernel<E, D, S><<<grid, kThreads, smem, stream>>>(p);
 }
 
