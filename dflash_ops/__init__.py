@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 from . import dispatch  # noqa: E402
 from .ops import (  # noqa: E402,F401
     block_attention, context_kv_, fused_add_rms_norm_, knorm_rope_, kv_proj, make_cos_sin_cache,
-    qk_norm_rope_, rms_norm, rope_, store_kv_,
+    qk_norm_rope_, rms_norm, rope_, silu_mul, store_kv_,
 )
 from . import triton as _triton_backend  # noqa: E402,F401  (registers the Triton kernels)
 from . import _ext  # noqa: E402
