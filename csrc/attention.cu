@@ -1047,8 +1047,10 @@ int attn_carveout() {
   static const int carveout = [] {
     const char* v = std::getenv("DFLASH_OPS_ATTN_CARVEOUT");
     if (v == nullptr || *v == 0) return -1;
-    const int c = std::atoi(v);
-    return c < 0 ? -1 : (c > 100 ? 100 : c);
+    char* end = nullptr;
+    const long c = std::strtol(v, &end, 10);
+    if (*end != 0 || c < 0) return -1;  // not a number: no hint
+    return c > 100 ? 100 : static_cast<int>(c);
   }();
   return carveout;
 }

@@ -7,9 +7,9 @@ bucket: padded context rows get position -1 (their slot is -1: written nowhere),
 rows run as a scratch request slot whose cache blocks nobody reads. ``run(bucket)`` runs the
 step eagerly; ``capture(bucket)`` records it in a CUDA graph (after a warm-up on a side stream,
 under ``dispatch.graph_backends()``) and later ``run`` calls replay it. Outputs: ``tokens``
-[bucket, B-1] (greedy drafts) and ``logits`` [bucket, B-1, V] fp32 (None with ``logits=False``:
-greedy drafting, the argmax taken on the LM head's model-dtype output), static tensors
-overwritten by each run.
+[bucket, B-1] (greedy drafts) and ``logits`` [bucket, B-1, V] (``DFlashDrafter.logits``: the
+model dtype unless the config scales or soft-caps them; None with ``logits=False``: greedy
+drafting), static tensors overwritten by each run.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class DraftStep:
     def __init__(self, drafter: DFlashDrafter, max_batch: int, scratch_request: int,
                  block_size: Optional[int] = None, logits: bool = True):
         cfg = drafter.cfg
-        self.want_logits = logits  # False (greedy): ``logits`` is None, no fp32 logits made
+        self.want_logits = logits  # False (greedy): ``logits`` is None, argmax on the raw output
         dev = drafter.device
         self.drafter, self.max_batch = drafter, max_batch
         self.b = block_size or cfg.block_size
@@ -103,7 +103,8 @@ class DraftStep:
                          logits=self.want_logits)
 
     def run(self, bucket: int) -> tuple:
-        """(tokens [bucket, B-1], logits [bucket, B-1, V]); replays the graph if captured."""
+        """(tokens [bucket, B-1], logits [bucket, B-1, V] or None); replays the graph if
+        captured."""
         g = self._graphs.get(bucket)
         if g is None:
             self.tokens, self.logits = self._step(bucket)

@@ -67,15 +67,14 @@ def prepare_step_(rows, last, start, drafts: Optional[torch.Tensor],
     if backend == "torch":
         return prepare_step_ref(rows, last, start, drafts, ctx_rows, ctx_pos, fill_id, scratch,
                                 block_out, requests_out, start_out, ctx_req_out, ctx_pos_out)
-    empty = rows.new_empty(0)
     b = block_out.shape[1]
-    args = (rows, last, start,
+    args = (rows, last, start,  # absent tensors: distinct empties (the outputs are mutable)
             drafts if drafts is not None else rows.new_empty(0, b - 1),
-            ctx_rows if ctx_rows is not None else empty,
+            ctx_rows if ctx_rows is not None else rows.new_empty(0),
             ctx_pos if ctx_pos is not None else rows.new_empty(0, b),
             int(fill_id), int(scratch), block_out, requests_out, start_out,
-            ctx_req_out if ctx_req_out is not None else empty,
-            ctx_pos_out if ctx_pos_out is not None else empty)
+            ctx_req_out if ctx_req_out is not None else rows.new_empty(0),
+            ctx_pos_out if ctx_pos_out is not None else rows.new_empty(0))
     if backend == "cuda":
         _spec_op("prepare_step_", "prepare_step_")(*args)
         return None
