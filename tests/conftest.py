@@ -7,11 +7,16 @@
   ``seed`` fixture returns the test's seed; ``seed_all(n)`` reseeds by hand.
 * ``poison(t)`` fills a floating tensor with NaN (in place) so an element a kernel forgets to
   write shows up as a mismatch.
+* ``run_interpreted(script, *args)`` runs a Python snippet from the repository root with
+  TRITON_INTERPRET=1 (it must be set before triton is imported, hence a subprocess) and asserts
+  it exits cleanly and prints "interp-ok".
 """
 from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 import zlib
 
 import pytest
@@ -59,3 +64,14 @@ def poison(t: torch.Tensor) -> torch.Tensor:
     if not t.is_floating_point():
         raise TypeError(f"poison: needs a floating-point tensor, got {t.dtype}")
     return t.fill_(float("nan"))
+
+
+def run_interpreted(script: str, *args: str, timeout: int = 900) -> None:
+    """Run ``script`` (python -c, with ``args``) from the repository root under the Triton
+    interpreter on CPU; it must exit 0 and print "interp-ok"."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", script, *args], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0 and "interp-ok" in proc.stdout, \
+        proc.stdout + proc.stderr[-5000:]

@@ -6,12 +6,10 @@ sampling + commit), whose torch version is also checked against its definition: 
 draw gives each token its probability mass, the match follows the acceptance rule."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+
+from tests.conftest import run_interpreted
 
 from dflash_ops.speculator.accept import (greedy_commit, inverse_cdf, sample_accept_ref,
                                           sample_commit)
@@ -265,11 +263,7 @@ print("interp-ok")
 
 
 def test_triton_kernel_under_interpreter():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "interp-ok" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    run_interpreted(_SCRIPT, timeout=600)
 
 
 def test_cuda_backend_without_the_extension_raises():

@@ -17,15 +17,14 @@ The op's contract is bit-for-bit ``F.silu(gate) * up`` as PyTorch computes it in
   measured 2). bf16 is not checked there: the interpreter rounds fp32 -> bf16 by truncation.
 GPU outputs come from a caching allocator poisoned with NaN first, so an unwritten element shows.
 """
-import os
-import subprocess
-import sys
 import warnings
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+
+from tests.conftest import run_interpreted
 
 import dflash_ops
 from dflash_ops import dispatch
@@ -168,11 +167,7 @@ print("interp-ok")
 
 
 def test_triton_silu_mul_interpreter_cpu():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and "interp-ok" in proc.stdout, proc.stdout + proc.stderr
+    run_interpreted(_INTERP_SCRIPT, timeout=900)
 
 
 # --------------------------------------------------------------------------------------------

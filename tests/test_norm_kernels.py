@@ -5,12 +5,11 @@ odd D, hidden sizes); the Triton kernel also runs on CPU under TRITON_INTERPRET=
 Tolerance (DESIGN.md): error vs an fp32 reference <= 2x the error of the same math in PyTorch in
 the test dtype, plus a small atol.
 """
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from tests.conftest import run_interpreted
 
 import dflash_ops
 from dflash_ops.ops.norm import rms_norm_ref
@@ -152,8 +151,4 @@ print("interp-ok")
 def test_triton_rms_norm_interpreter_cpu():
     """The Triton kernels on CPU under TRITON_INTERPRET=1 (set before triton is imported,
     hence a subprocess). fp16/fp32 only: the interpreter is exact for them."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and "interp-ok" in proc.stdout, proc.stdout + proc.stderr
+    run_interpreted(_INTERP_SCRIPT, timeout=900)

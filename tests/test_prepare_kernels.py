@@ -5,12 +5,10 @@ and context rows, padding rows, rows in any order, B 1..16; outputs poisoned fir
 errors on bad arguments with nothing written."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+
+from tests.conftest import run_interpreted
 
 from dflash_ops.speculator.prepare import prepare_step_
 
@@ -122,11 +120,7 @@ print("interp-ok")
 
 
 def test_triton_kernel_under_interpreter():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "interp-ok" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    run_interpreted(_SCRIPT, timeout=600)
 
 
 @pytest.mark.gpu

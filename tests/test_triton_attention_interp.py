@@ -13,12 +13,11 @@ Each test runs its checks in a subprocess (TRITON_INTERPRET must be set before t
 ``check_block_attention`` takes a device so a GPU test can reuse it.
 """
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from tests.conftest import run_interpreted
 
 from tests.test_reference import (ATTN_MODES, F64, SEQ_LENS, assert_fp32_close, assert_rule,
                                   dense_attention, paged_case)
@@ -97,8 +96,4 @@ print("interp-ok")
 
 @pytest.mark.parametrize("dtype", ["fp16", "fp32"])
 def test_triton_block_attention_interpreter_cpu(dtype):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, dtype], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and "interp-ok" in proc.stdout, proc.stdout + proc.stderr
+    run_interpreted(_SCRIPT, dtype, timeout=900)

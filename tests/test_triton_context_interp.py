@@ -10,12 +10,11 @@ slots) must keep its random value.
 
 The ``check_*`` functions take a device and dtypes, so a GPU test can reuse them.
 """
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from tests.conftest import run_interpreted
 
 import dflash_ops
 from dflash_ops.ops.rope import make_cos_sin_cache
@@ -276,8 +275,4 @@ print("interp-ok")
 
 @pytest.mark.parametrize("what", ["rope", "qk_norm_rope", "knorm_rope", "store_kv_", "index64"])
 def test_triton_context_interpreter_cpu(what):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, what], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "interp-ok" in proc.stdout, proc.stdout + proc.stderr
+    run_interpreted(_SCRIPT, what, timeout=600)

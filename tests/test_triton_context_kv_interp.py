@@ -11,12 +11,11 @@ sums in another order), the K rows pass the tolerance rule.
 
 The ``check_*`` functions take a device and dtypes, so tests/test_context_kv_gpu.py reuses them.
 """
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from tests.conftest import run_interpreted
 
 import dflash_ops
 from tests.test_triton_context_interp import (  # shared helpers: tolerance rule, tables, caches
@@ -257,8 +256,4 @@ print("interp-ok")
 
 @pytest.mark.parametrize("what", ["kv_proj", "context_kv"])
 def test_triton_context_kv_interpreter_cpu(what):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, what], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "interp-ok" in proc.stdout, proc.stdout + proc.stderr
+    run_interpreted(_SCRIPT, what, timeout=600)

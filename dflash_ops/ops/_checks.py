@@ -46,6 +46,22 @@ def tensor(op: str, name: str, t, *, rank=None, dtype=None, device=None, shape=N
     return t
 
 
+def merged_leading_dims(t: torch.Tensor) -> tuple:
+    """(sizes, strides) of t's leading dims (all but the last), size-1 dims dropped and each dim
+    merged into the one before it where their strides allow (outermost first)."""
+    sizes, strides = [], []
+    for s, st in zip(t.shape[:-1], t.stride()[:-1]):
+        if s == 1:
+            continue
+        if sizes and strides[-1] == st * s:
+            sizes[-1] *= s
+            strides[-1] = st
+        else:
+            sizes.append(s)
+            strides.append(st)
+    return sizes, strides
+
+
 def same_dtype(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor):
     if t.dtype != ref.dtype:
         fail(op, f"{name} must have the dtype of {ref_name} ({str(ref.dtype).replace('torch.', '')}),"

@@ -27,18 +27,9 @@ def rows_of(x: torch.Tensor, op: str = _OP, xname: str = "x") -> Tuple[int, int]
     """(rows, row_stride) of x seen as ``[rows, 2*I]`` rows, row r at ``r * row_stride``
     elements; ValueError when the leading dims do not merge into one strided dim."""
     d = x.shape[-1]
-    sizes, strides = [], []
-    for s, st in zip(x.shape[:-1], x.stride()[:-1]):
-        if s == 0:
-            return 0, d
-        if s == 1:
-            continue
-        if sizes and strides[-1] == st * s:
-            sizes[-1] *= s
-            strides[-1] = st
-        else:
-            sizes.append(s)
-            strides.append(st)
+    if x.numel() == 0 and d:  # a zero-size leading dim: no rows
+        return 0, d
+    sizes, strides = C.merged_leading_dims(x)
     if len(sizes) > 1:
         C.fail(op, f"{xname} must be viewable as [rows, {d}] with one row stride (leading dims "
                    f"that merge), got shape {list(x.shape)} with strides {list(x.stride())}; "

@@ -12,20 +12,12 @@ import triton
 import triton.language as tl
 
 from .. import dispatch
+from ..ops._checks import merged_leading_dims
 
 
 def row_layout(t: torch.Tensor, what: str, op: str):
     """(sizes[3], strides[3]) of t's leading dims after merging the mergeable ones."""
-    sizes, strides = [], []
-    for s, st in zip(t.shape[:-1], t.stride()[:-1]):
-        if s == 1:
-            continue
-        if sizes and strides[-1] == st * s:
-            sizes[-1] *= s
-            strides[-1] = st
-        else:
-            sizes.append(s)
-            strides.append(st)
+    sizes, strides = merged_leading_dims(t)
     if len(sizes) > 3:
         raise ValueError(f"dflash.{op}: {what} has more than 3 non-mergeable leading dims "
                          f"(shape {list(t.shape)}, strides {list(t.stride())}); make it contiguous")
