@@ -23,11 +23,11 @@ def _want_cuda() -> bool:
     return torch.version.cuda is not None and CUDA_HOME is not None
 
 
-# Keep a static libstdc++ to ourselves. The H200 image builds with CXX=/opt/gcc/bin/g++, whose
-# libstdc++ ends up statically linked into _C with its symbols exported (found 2026-11-29). The
-# process's libstdc++.so.6 (loaded by torch, another GCC version) then interposed some of them:
-# _C's copy of the locale code took num_put<char>::id from libstdc++.so.6, indexed its own facet
-# table with it, and every ostream << number (each TORCH_CHECK message with a number) segfaulted.
+# Keep a static libstdc++ to ourselves. A compiler whose libstdc++ is linked statically into _C
+# (e.g. a GCC installed apart from the system's) exports its symbols from _C; the process's
+# libstdc++.so.6 (loaded by torch, another GCC version) then interposes some of them: _C's copy
+# of the locale code takes num_put<char>::id from libstdc++.so.6, indexes its own facet table
+# with it, and every ostream << number (each TORCH_CHECK message with a number) segfaults.
 # --exclude-libs,ALL makes the archive's symbols local to _C, so its copy binds only to itself; a
 # build against the shared libstdc++ has no archive and is unchanged.
 LINK_ARGS = ["-Wl,--exclude-libs,ALL"]

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Compiles every csrc/*.cu (nvcc, sm_90a) and csrc/*.cpp (g++) to object files against the
-# installed torch's headers; no GPU and no CUDA build of torch needed. Exits non-zero on the
-# first failure; prints one line per file with its compile time.
+# installed torch's headers, then links them into one shared library as setup.py links
+# dflash_ops._C; no GPU and no CUDA build of torch needed. Exits non-zero on the first failure
+# or compiler warning (ptxas spills included); prints one line per file with its compile time.
 #   PYTHON=python3 NVCC=/usr/local/cuda/bin/nvcc CXX=g++ .ci/nvcc_check.sh
 #   PTXAS_VERBOSE=1 adds ptxas's per-kernel register / spill report.
 set -euo pipefail
@@ -44,7 +45,11 @@ if (( ${#cu[@]} + ${#cpp[@]} == 0 )); then echo "no sources under $ROOT/csrc" >&
 compile() {  # compile <label> <file> <command...>
   local label="$1" f="$2"; shift 2
   local t0=$SECONDS
-  if ! "$@"; then echo "FAIL $label ${f#"$ROOT"/}" >&2; exit 1; fi
+  if ! "$@" > "$TMP/log" 2>&1; then
+    cat "$TMP/log" >&2; echo "FAIL $label ${f#"$ROOT"/}" >&2; exit 1
+  fi
+  cat "$TMP/log"
+  if grep -qi "warning" "$TMP/log"; then echo "FAIL $label ${f#"$ROOT"/}: warnings" >&2; exit 1; fi
   echo "ok   $label ${f#"$ROOT"/} ($((SECONDS - t0)) s)"
 }
 for f in "${cu[@]}"; do
@@ -56,3 +61,20 @@ for f in "${cpp[@]}"; do
   compile "g++ -DDFLASH_OPS_PYTHON_MODULE" "$f" "$CXX" "${CXX_FLAGS[@]}" -DDFLASH_OPS_PYTHON_MODULE=1 \
     -I"$PY_INC" "${INC[@]}" "$f" -o "$TMP/$(basename "$f").py.o"
 done
+
+# The link: every .cu object and the .cpp objects of the Python module into one library (the
+# CUDA runtime and torch stay unresolved: a CPU wheel has no libtorch_cuda). It fails on a symbol
+# defined twice; a dflash_ops function declared but defined nowhere, and the module init, are
+# checked by name.
+lib="$TMP/_C.so"
+objs=("$TMP"/*.cu.o "$TMP"/*.cpp.py.o)
+if ! "$CXX" -shared -o "$lib" "${objs[@]}" -Wl,--exclude-libs,ALL; then
+  echo "FAIL link" >&2; exit 1
+fi
+undefined="$(nm -uC "$lib" | grep "dflash_ops::" || true)"
+if [[ -n "$undefined" ]]; then echo "FAIL link: undefined $undefined" >&2; exit 1; fi
+exported="$(nm -D --defined-only "$lib")"  # whole, then searched: grep -q on a pipe can
+if ! grep -q " PyInit__C$" <<<"$exported"; then  # close it early and fail nm under pipefail
+  echo "FAIL link: no PyInit__C in the module" >&2; exit 1
+fi
+echo "ok   link ${#objs[@]} objects into one library"

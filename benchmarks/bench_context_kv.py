@@ -3,15 +3,13 @@ thin wrapper over ``dflash-ops bench context_kv``.
 
     python benchmarks/bench_context_kv.py [--out DIR] [--quick] [--no-plot]
                                           [--models M1,M2] [--tables T1,T2]
+                                          [--compiled-chain | --no-compiled-chain]
 
-``--models`` sets ``DFLASH_OPS_BENCH_MODELS`` (Qwen3-8B, gpt-oss-20b-DFlash, Qwen3-4B,
-Qwen3.8-27B-DFlash2), ``--tables`` sets ``DFLASH_OPS_BENCH_TABLES`` (knorm_rope_, qk_norm_rope_,
-store_kv_, context_kv_, context_kv_hidden_norm, host); e.g. only the context_kv_ table of one
-model: ``--models Qwen3-8B --tables context_kv_``. Either variable can also be set directly (and
-then works with ``dflash-ops bench context_kv`` too).
+``--models``: Qwen3-8B, gpt-oss-20b-DFlash, Qwen3-4B, Qwen3.8-27B-DFlash2; ``--tables``:
+knorm_rope_, qk_norm_rope_, store_kv_, context_kv_, context_kv_hidden_norm, host; e.g. only the
+context_kv_ table of one model: ``--models Qwen3-8B --tables context_kv_``; only the host
+overhead of each op's default backend: ``--tables host``.
 """
-import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -23,12 +21,4 @@ except ImportError:  # run from a checkout without installing
 from dflash_ops.bench import main  # noqa: E402
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--models", default=None)
-    p.add_argument("--tables", default=None)
-    a, rest = p.parse_known_args()
-    if a.models is not None:
-        os.environ["DFLASH_OPS_BENCH_MODELS"] = a.models
-    if a.tables is not None:
-        os.environ["DFLASH_OPS_BENCH_TABLES"] = a.tables
-    sys.exit(main(["context_kv", *rest]))
+    sys.exit(main(["context_kv", *sys.argv[1:]]))

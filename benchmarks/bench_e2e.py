@@ -1,7 +1,8 @@
-"""End-to-end DFlash benchmark (issue 6): one iteration (draft + verify CUDA graphs) of a
+"""End-to-end DFlash benchmark: one iteration (draft + verify CUDA graphs) of a
 Qwen3-8B-shaped target with a Qwen3-8B-DFlash-shaped drafter against a plain decode step, the
 floors, the implied speedup, GPU idle time and host syncs. A wrapper over
-``dflash-ops bench e2e``; what is measured and how: ``dflash_ops/bench/e2e.py``'s docstring.
+``dflash-ops bench e2e``; what is measured and how: ``dflash_ops/bench/e2e.py``'s docstring (the
+formulas and tables: ``dflash_ops/bench/e2e_report.py``'s).
 
     python benchmarks/bench_e2e.py [--quick] [--cases 1x1024,64x8k] [--mem-gb 120] [--no-loop]
                                    [--out DIR] [--no-plot]

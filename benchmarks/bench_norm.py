@@ -1,6 +1,8 @@
 """RMSNorm benchmarks (rms_norm, fused_add_rms_norm_): a thin wrapper over ``dflash-ops bench norm``.
 
-    python benchmarks/bench_norm.py [--out DIR] [--quick] [--no-plot]
+    python benchmarks/bench_norm.py [--out DIR] [--quick] [--no-plot] [--tables T1,T2]
+
+``--tables host``: only the host-overhead tables (each op's default backend next to the others).
 """
 import sys
 from pathlib import Path

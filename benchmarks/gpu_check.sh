@@ -2,16 +2,17 @@
 # The one script run on the H200 (device tool): install (builds dflash_ops._C), info, check, the
 # GPU tests, the benchmarks. Logs and result tables go under $OUT (at most 8 files come back:
 # more are packed into $OUT/all.tgz at the end).
-# Usage: bash benchmarks/gpu_check.sh [build|probe|tests|bench|ctx|attn|sweep|linear|drafter|e2e|layout|models|attnprobe|profile|cmake|all]
-#   (all: tests + bench + ctx; build: install and info only)
-#   probe: every bad-input case through the C++ checks, one subprocess each (segfault hunt)
-#   attn:  the attention suite (BENCH_ARGS: --quick, --cases, --tables, --no-flex)
-#   attnprobe: benchmarks/attn_probe.py under stages 2/3 x carveout default/100 (BENCH_ARGS)
-#   models: bench_drafter (DRAFTER_ARGS, default --no-ref), bench_e2e (E2E_ARGS, default --quick)
-#          and profile_step (PROFILE_ARGS) in one call
-#   layout: the paged attention table (with the head-major cache column), then the drafter and
-#          e2e quick suites with DFLASH_OPS_KV_LAYOUT=head (into $OUT/results-head)
-# Set DFLASH_OPS_COMMIT (the device copy has no .git) so result files name the commit.
+# Usage: bash benchmarks/gpu_check.sh [build|tests|bench|ctx|attn|linear|drafter|e2e|models|compare|profile|cmake|all]
+#   all:     tests + bench + ctx; build: install, info and check only
+#   attn:    the attention suite (BENCH_ARGS: --quick, --cases, --tables, --no-flex)
+#   models:  bench_drafter (DRAFTER_ARGS, default --no-ref), bench_e2e (E2E_ARGS, default --quick)
+#            and profile_step (PROFILE_ARGS) in one call
+#   compare: bench_drafter --quick --no-ref and bench_e2e --quick of the tree in .old (an older
+#            commit, carried; built in place) and of this tree, alternating old/new twice, so a
+#            change's speed is compared within one call (drift between calls is ~4%); OLD_DIR
+#            names another place for the old tree (e.g. one built earlier outside the checkout)
+# Set DFLASH_OPS_COMMIT (the device copy has no .git) so result files name the commit; compare
+# reads OLD_COMMIT for the old tree's name.
 set -uo pipefail
 OUT=${OUT:-/tmp/dflash-gpu-out}
 mkdir -p "$OUT"
@@ -30,28 +31,59 @@ echo "install: $(( $(date +%s) - t0 )) s"
 { python3 -m dflash_ops info; python3 -m dflash_ops check; } 2>&1 | tee "$OUT/info_check.log"
 rc=0
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  timeout 460 python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=10 tests 2>&1 \
-    | tee "$OUT/pytest_gpu.log"
-  rc=${PIPESTATUS[0]}
+  # SHARDS pytest processes side by side on the one GPU (the tests are small and mostly host
+  # bound: compiles, launches), files dealt round-robin; one log each, then the summaries.
+  shards=${SHARDS:-3}
+  mapfile -t files < <(grep -l "gpu" tests/test_*.py)
+  pids=()
+  for ((i = 0; i < shards; i++)); do
+    part=(); for ((j = i; j < ${#files[@]}; j += shards)); do part+=("${files[j]}"); done
+    timeout ${TEST_TIMEOUT:-500} python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
+      --durations=5 "${part[@]}" >"$OUT/pytest_gpu_$i.log" 2>&1 &
+    pids+=($!)
+  done
+  for ((i = 0; i < shards; i++)); do
+    wait "${pids[i]}"; r=$?; [ $r -ne 0 ] && rc=$r
+    echo "shard $i (rc $r): $(tail -1 "$OUT/pytest_gpu_$i.log")"
+    grep -E "^(FAILED|ERROR)" "$OUT/pytest_gpu_$i.log" | head -20
+  done
+  cat "$OUT"/pytest_gpu_*.log > "$OUT/pytest_gpu.log" && rm -f "$OUT"/pytest_gpu_*.log
   echo "tests: $(( $(date +%s) - t0 )) s"
 fi
-if [ "$what" = probe ]; then
-  timeout 200 python3 tests/probe_bad_inputs_gpu.py 2>&1 | tee "$OUT/probe.log" | grep -v "names-arg"
-fi
-if [ "$what" = attn ]; then
-  timeout 500 python3 benchmarks/bench_attention.py ${BENCH_ARGS:-} --out "$OUT/results" 2>&1 \
-    | tee "$OUT/bench_attn.log"
-fi
-if [ "$what" = sweep ]; then
-  { python3 benchmarks/sweep_norm.py
-    for nv in 1 4; do DFLASH_OPS_NORM_LANE_VECS=$nv python3 benchmarks/sweep_norm.py --cuda-only; done
-  } 2>&1 | tee "$OUT/sweep.log"
-  echo "sweep: $(( $(date +%s) - t0 )) s"
+if [ "$what" = compare ]; then
+  old_dir=${OLD_DIR:-.old}
+  if [ ! -f "$old_dir/setup.py" ]; then echo "compare: no old tree in $old_dir (carry an older checkout as .old)"; exit 2; fi
+  if ! ls "$old_dir"/dflash_ops/_C*.so >/dev/null 2>&1; then
+    (cd "$old_dir" && python3 setup.py build_ext --inplace >"$OUT/install_old.log" 2>&1) \
+      || { tail -40 "$OUT/install_old.log"; exit 1; }
+  fi
+  echo "old build: $(( $(date +%s) - t0 )) s"
+  new_commit=${DFLASH_OPS_COMMIT:-new}
+  for round in 1 2; do
+    if [ $round -gt 1 ] && [ $(( $(date +%s) - t0 )) -gt ${ROUND_BUDGET_S:-300} ]; then
+      echo "compare: no time for round $round"; break
+    fi
+    for side in old new; do
+      if [ $side = old ]; then dir=$old_dir; commit=${OLD_COMMIT:-old}; else dir=$PWD; commit=$new_commit; fi
+      for suite in drafter e2e; do
+        extra=""; [ $suite = drafter ] && extra="--no-ref"
+        (cd "$dir" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" DFLASH_OPS_COMMIT=$commit \
+          timeout 200 python3 "benchmarks/bench_$suite.py" --quick $extra --no-plot \
+            --out "$OUT/cmp-$side-$round" > "$OUT/cmp_${suite}_${side}_${round}.log" 2>&1)
+        echo "== $suite $side ($commit) round $round: $(( $(date +%s) - t0 )) s"
+        grep -A10 "^summary" "$OUT/cmp_${suite}_${side}_${round}.log" | head -12
+      done
+    done
+  done
 fi
 if [ "$what" = linear ]; then  # the models.linear table: cuBLAS vs the Triton GEMM per shape
   timeout 400 python3 benchmarks/sweep_linear.py ${BENCH_ARGS:-} --write-table \
     --out "$OUT/sweep_linear.json" 2>&1 | tee "$OUT/sweep_linear.log"
   cp dflash_ops/models/linear_table.json "$OUT/" 2>/dev/null
+fi
+if [ "$what" = attn ]; then
+  timeout 500 python3 benchmarks/bench_attention.py ${BENCH_ARGS:-} --out "$OUT/results" 2>&1 \
+    | tee "$OUT/bench_attn.log"
 fi
 if [ "$what" = drafter ]; then
   timeout 500 python3 benchmarks/bench_drafter.py ${BENCH_ARGS:-} --out "$OUT/results" 2>&1 \
@@ -61,15 +93,6 @@ if [ "$what" = e2e ]; then
   timeout 500 python3 benchmarks/bench_e2e.py ${BENCH_ARGS:-} --out "$OUT/results" 2>&1 \
     | tee "$OUT/bench_e2e.log"
 fi
-if [ "$what" = layout ]; then  # the head-major cache experiment (benchmarks/NOTES.md)
-  timeout 200 python3 benchmarks/bench_attention.py --tables paged --no-flex \
-    --out "$OUT/results" 2>&1 | tee "$OUT/bench_attn_layout.log" | grep -E "ours cuda"
-  for suite in drafter e2e; do
-    DFLASH_OPS_KV_LAYOUT=head timeout 150 python3 "benchmarks/bench_$suite.py" --quick \
-      --out "$OUT/results-head" > "$OUT/bench_${suite}_head.log" 2>&1
-    grep -A8 "^summary" "$OUT/bench_${suite}_head.log"
-  done
-fi
 if [ "$what" = models ]; then  # drafter + e2e suites and the step profiles in one call (~5 min)
   timeout 240 python3 benchmarks/bench_drafter.py ${DRAFTER_ARGS:---no-ref} --out "$OUT/results" \
     > "$OUT/bench_drafter.log" 2>&1; grep -A14 "^summary" "$OUT/bench_drafter.log"
@@ -77,12 +100,6 @@ if [ "$what" = models ]; then  # drafter + e2e suites and the step profiles in o
     > "$OUT/bench_e2e.log" 2>&1; grep -A8 "^summary" "$OUT/bench_e2e.log"
   timeout 120 python3 benchmarks/profile_step.py ${PROFILE_ARGS:---graph --cases drafter:64x4096,drafter:1x1024,decode:1x1024} \
     > "$OUT/profile.log" 2>&1; grep -A12 "graph" "$OUT/profile.log" | head -60
-fi
-if [ "$what" = attnprobe ]; then  # attention launch settings: stages x carveout (NOTES.md)
-  for st in 2 3; do for cv in "" 100; do
-    DFLASH_OPS_ATTN_STAGES=$st DFLASH_OPS_ATTN_CARVEOUT=$cv DFLASH_OPS_ATTN_DEBUG=1 \
-      timeout 60 python3 benchmarks/attn_probe.py ${BENCH_ARGS:-} 2>&1 | grep -v "^floors"
-  done; done | tee "$OUT/attn_probe.log"
 fi
 if [ "$what" = profile ]; then  # kernel tables of the drafter / verify / decode steps
   timeout 400 python3 benchmarks/profile_step.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/profile.log"

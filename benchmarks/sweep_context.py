@@ -2,9 +2,8 @@
 
 For each model K/V shape (x[T, H] @ w[N, H]^T) and T, times cuBLAS ``F.linear`` and a grid of
 ``ProjCfg`` launches of our kv_proj (TMA and pointer loads), then a grid of ``CtxCfg`` launches of
-the fused context_kv_ (hidden_norm folded vs a first pass); every config is checked against
-F.linear / the torch reference on the same inputs before it is timed (a wrong config is listed
-as such, never as fast). Prints, per (shape, T), the best few with their ratio to cuBLAS and to
+the fused context_kv_; every config is checked against F.linear / the torch reference on the
+same inputs before it is timed (a wrong config is listed as such, never as fast). Prints, per (shape, T), the best few with their ratio to cuBLAS and to
 the floor (max of bytes / copy bandwidth, FLOPs / GEMM rate, measured in the same run).
 The chosen defaults live in dflash_ops/triton/context.py (proj_config, context_config).
 
@@ -113,7 +112,6 @@ def sweep_ctx(name, h, n_layers, hkv, d, floors, out):
     n = n_layers * 2 * hkv * d
     w = torch.randn(n, h, device="cuda", dtype=BF16) * h ** -0.5
     kw = (1 + 0.1 * torch.randn(n_layers, d, device="cuda")).to(BF16)
-    hw = (1 + 0.1 * torch.randn(h, device="cuda")).to(BF16)
     cs = make_cos_sin_cache(32768, d, device="cuda")
     for t in TS:
         nb = t // 16 + 2
@@ -125,44 +123,35 @@ def sweep_ctx(name, h, n_layers, hkv, d, floors, out):
         kc, vc = list(kb.unbind(0)), list(vb.unbind(0))
         lin = _time(lambda: F.linear(x, w), t)
         fl = floor_us(floors, bytes_moved=2 * (t * h + n * h + t * n), flops=2 * t * h * n)
-        best = []
-        for hn in (None, hw):
-            kr, vr = torch.zeros_like(kb), torch.zeros_like(vb)
-            with dflash_ops.use_backend("torch", ops=["context_kv_"]):
-                torch.ops.dflash.context_kv_(x, w, None, kw, pos, cs, slots, list(kr.unbind(0)),
-                                             list(vr.unbind(0)), 1e-6, True, hn)
-            dflt = tc.context_config(t, d)
-            if hn is None:
-                grid = list(ctx_grid(t, d))
-            else:  # the fold on the three best launches without hidden_norm
-                grid = [c._replace(fold=f) for c in best[:3] for f in (True, False)]
-            rows = []
-            for cfg in dict.fromkeys(grid + [dflt]):
-                def call(cfg=cfg):
-                    tc.context_kv_(x, w, None, kw, pos, cs, slots, kc, vc, 1e-6, True, hn,
-                                   cfg=cfg)
-                try:
-                    kb.zero_()
-                    vb.zero_()
-                    call()
-                    torch.cuda.synchronize()
-                    e = max(_err(kb, kr), _err(vb, vr))
-                    if e > 3e-2:
-                        rows.append((float("inf"), cfg, f"WRONG (rel err {e:.2e})"))
-                        continue
-                    rows.append((_time(call, t), cfg, ""))
-                except Exception as ex:  # noqa: BLE001
-                    rows.append((float("inf"), cfg, f"failed: {type(ex).__name__}: {str(ex)[:80]}"))
-            rows.sort(key=lambda r: r[0])
-            best = [r[1] for r in rows if r[0] < float("inf")]
-            d_us = next(r[0] for r in rows if r[1] == dflt)
-            print(f"\n{name} context_kv_ T={t} hidden_norm={hn is not None}: F.linear {lin:.1f} "
-                  f"us, floor {fl:.1f} us, default {dflt} {d_us:.1f} us ({d_us / lin:.2f}x)",
+        kr, vr = torch.zeros_like(kb), torch.zeros_like(vb)
+        with dflash_ops.use_backend("torch", ops=["context_kv_"]):
+            torch.ops.dflash.context_kv_(x, w, None, kw, pos, cs, slots, list(kr.unbind(0)),
+                                         list(vr.unbind(0)), 1e-6, True, None)
+        dflt = tc.context_config(t, d)
+        rows = []
+        for cfg in dict.fromkeys(list(ctx_grid(t, d)) + [dflt]):
+            def call(cfg=cfg):
+                tc.context_kv_(x, w, None, kw, pos, cs, slots, kc, vc, 1e-6, True, None, cfg=cfg)
+            try:
+                kb.zero_()
+                vb.zero_()
+                call()
+                torch.cuda.synchronize()
+                e = max(_err(kb, kr), _err(vb, vr))
+                if e > 3e-2:
+                    rows.append((float("inf"), cfg, f"WRONG (rel err {e:.2e})"))
+                    continue
+                rows.append((_time(call, t), cfg, ""))
+            except Exception as ex:  # noqa: BLE001
+                rows.append((float("inf"), cfg, f"failed: {type(ex).__name__}: {str(ex)[:80]}"))
+        rows.sort(key=lambda r: r[0])
+        d_us = next(r[0] for r in rows if r[1] == dflt)
+        print(f"\n{name} context_kv_ T={t}: F.linear {lin:.1f} us, floor {fl:.1f} us, default "
+              f"{dflt} {d_us:.1f} us ({d_us / lin:.2f}x)", file=out)
+        for us, cfg, note in rows[:6] + [r for r in rows if r[2]][:3]:
+            print(f"   {us:8.1f} us  {us / lin:5.2f}x F.linear  {us / fl:5.2f}x floor  {cfg} {note}",
                   file=out)
-            for us, cfg, note in rows[:6] + [r for r in rows if r[2]][:3]:
-                print(f"   {us:8.1f} us  {us / lin:5.2f}x F.linear  {us / fl:5.2f}x floor  {cfg} "
-                      f"{note}", file=out)
-            out.flush()
+        out.flush()
 
 
 def main():

@@ -1,8 +1,7 @@
 """Launch-config sweep for the norm kernels on the K-norm shape x[T, 40, 128] bf16, w[5, 128]:
-the Triton (BLOCK_M, num_warps) grid and the CUDA kernel as built (its lane-vector knob comes
-from DFLASH_OPS_NORM_LANE_VECS, read once per process). Prints GB/s and % of copy bandwidth;
-the chosen defaults live in dflash_ops/triton/norm.py:config and csrc/norm.cu:choose_shape."""
-import os
+the Triton (BLOCK_M, num_warps) grid, with the CUDA kernel as built for comparison. Prints GB/s
+and % of copy bandwidth; the chosen defaults live in dflash_ops/triton/norm.py:config and
+csrc/norm.cu:choose_shape."""
 import sys
 
 import torch
@@ -26,7 +25,7 @@ for t in (16, 4096, 16384):
     with dflash_ops.use_backend("cuda", ops=["rms_norm"]):
         us = time_fn(lambda x, w: torch.ops.dflash.rms_norm(x, w, 1e-6), rotate=sets,
                      graph=True)["us"]
-    res.append((f"cuda lane_vecs={os.environ.get('DFLASH_OPS_NORM_LANE_VECS', '2')}", us))
+    res.append(("cuda", us))
     if not only_cuda:
         for bm in (4, 8, 16, 32):
             for nw in (1, 2, 4):

@@ -12,6 +12,8 @@
 // expf and the division are the precise ones (no fast math): they must match ATen's kernel.
 #include "dflash_ops.h"
 
+#include "checks.h"
+#include "register.h"
 #include "common.cuh"
 
 #include <ATen/ops/empty.h>
@@ -19,6 +21,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/SmallVector.h>
+#include <torch/library.h>
 
 #include <cuda_runtime.h>
 
@@ -28,7 +31,7 @@
 namespace dflash_ops {
 namespace {
 
-using namespace detail;  // common.cuh
+using namespace detail;  // common.cuh, checks.h
 
 // ---------------------------------------------------------------------------------------------
 // Device side: no framework types.
@@ -138,16 +141,12 @@ void run(const SiluMulParams& p, int elem_size, cudaStream_t stream) {
 
 at::Tensor silu_mul(const at::Tensor& x) {
   constexpr const char* op = "silu_mul";
-  // x: [..., 2*I]
-  TORCH_CHECK_VALUE(x.is_cuda(), "dflash.", op, ": x must be a CUDA tensor, got device ",
-                    x.device());
-  const auto dt = x.scalar_type();
-  TORCH_CHECK_VALUE(is_float(dt), "dflash.", op, ": x must be bfloat16/float16/float32, got ",
-                    dtype_name(dt));
+  // x: [..., 2*I] bf16/fp16/fp32 on CUDA, unit stride in the last dim (checks.h; the order of
+  // dflash_ops/ops/act.py)
+  check_cuda(op, "x", x);
+  check_float(op, "x", x);
   TORCH_CHECK_VALUE(x.dim() >= 1, "dflash.", op, ": x must have rank >= 1, got a 0-d tensor");
-  TORCH_CHECK_VALUE(last_dim_ok(x), "dflash.", op,
-                    ": x must have unit stride in its last dimension, got strides ",
-                    py_tuple(x.strides()));
+  check_last_dim(op, "x", x);
   const int64_t d = x.size(-1);
   TORCH_CHECK_VALUE(d % 2 == 0 && d > 0, "dflash.", op,
                     ": x must have an even last dim 2*I with I >= 1 (gate then up), got ", d,
@@ -169,7 +168,7 @@ at::Tensor silu_mul(const at::Tensor& x) {
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
   const int es = static_cast<int>(x.element_size());
-  switch (dt) {
+  switch (x.scalar_type()) {
     case at::kBFloat16: run<BF16>(p, es, stream); break;
     case at::kHalf: run<F16>(p, es, stream); break;
     default: run<F32>(p, es, stream); break;
@@ -178,3 +177,8 @@ at::Tensor silu_mul(const at::Tensor& x) {
 }
 
 }  // namespace dflash_ops
+
+static void register_kernels(torch::Library& m) {
+  m.impl("silu_mul", TORCH_FN(dflash_ops::silu_mul));
+}
+DFLASH_OPS_REGISTER_CUDA(register_kernels)

@@ -1,22 +1,13 @@
-// Helpers shared by the kernels of csrc/ (norm.cu, rope.cu, kv.cu): element types, vector packs,
-// multiply-shift division, and the host-side naming / stride helpers of the argument checks.
-// Header only; the build compiles csrc/*.cu and csrc/*.cpp, never this file on its own.
+// Helpers shared by the kernels of csrc/: element types, vector packs, multiply-shift division,
+// the paged-cache view. The argument checks are in checks.h. Header only; the build compiles
+// csrc/*.cu and csrc/*.cpp, never this file on its own.
 #pragma once
-
-#include <ATen/core/Tensor.h>
-#include <c10/core/ScalarType.h>
-#include <c10/util/ArrayRef.h>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <c10/util/Exception.h>
-#include <cstddef>
-#include <cstdlib>
 #include <cstdint>
-#include <sstream>
-#include <string>
 
 namespace dflash_ops {
 namespace detail {
@@ -110,103 +101,17 @@ inline FastDiv make_fast_div(int64_t d) {
   return f;
 }
 
+// One layer's paged K or V cache (kv.cu, context.cu): base pointer and byte strides of
+// [num_blocks, block_size, Hkv].
+struct CacheView {
+  char* base;
+  int64_t s_block, s_row, s_head;
+};
+
 // ---------------------------------------------------------------------------------------------
-// Host side: the words of dflash_ops/ops/_checks.py.
-
-// Python's name of a dtype (torch.int64 -> "int64"); c10's for those not listed.
-inline const char* dtype_name(at::ScalarType t) {
-  switch (t) {
-    case at::kBFloat16: return "bfloat16";
-    case at::kHalf: return "float16";
-    case at::kFloat: return "float32";
-    case at::kDouble: return "float64";
-    case at::kLong: return "int64";
-    case at::kInt: return "int32";
-    case at::kShort: return "int16";
-    case at::kChar: return "int8";
-    case at::kByte: return "uint8";
-    case at::kBool: return "bool";
-    default: return c10::toString(t);
-  }
-}
-
-// norm.cu's messages: Python's name for the floating dtypes only, c10's for the rest
-// (torch.int64 -> "Long", not "int64"). Kept apart from dtype_name so those messages stay as
-// they are.
-inline const char* float_dtype_name(at::ScalarType t) {
-  switch (t) {
-    case at::kBFloat16: return "bfloat16";
-    case at::kHalf: return "float16";
-    case at::kFloat: return "float32";
-    case at::kDouble: return "float64";
-    default: return c10::toString(t);
-  }
-}
-
-// Python's repr of a tuple / list of ints: (5, 64), (5,), [5, 64].
-inline std::string py_tuple(c10::IntArrayRef v) {
-  std::ostringstream s;
-  s << "(";
-  for (size_t i = 0; i < v.size(); ++i) s << (i ? ", " : "") << v[i];
-  s << (v.size() == 1 ? ",)" : ")");
-  return s.str();
-}
-inline std::string py_list(c10::IntArrayRef v) {
-  std::ostringstream s;
-  s << "[";
-  for (size_t i = 0; i < v.size(); ++i) s << (i ? ", " : "") << v[i];
-  s << "]";
-  return s.str();
-}
-
-inline bool is_float(at::ScalarType t) {
-  return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat;
-}
+// Host side.
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-// Python's repr of a float, near enough: the shortest round-tripping %g, and "-1.0" not "-1".
-inline std::string py_float(double v) {
-  std::string s;
-  for (int prec = 1; prec <= 17; ++prec) {
-    std::ostringstream o;
-    o.precision(prec);
-    o << v;
-    s = o.str();
-    if (std::strtod(s.c_str(), nullptr) == v) break;
-  }
-  if (s.find_first_of(".eni") == std::string::npos) s += ".0";
-  return s;
-}
-
-inline void check_rank(const char* op, const std::string& name, const at::Tensor& t,
-                       int64_t rank) {
-  TORCH_CHECK_VALUE(t.dim() == rank, "dflash.", op, ": ", name, " must have rank ", rank,
-                    ", got rank ", t.dim(), " (shape ", py_tuple(t.sizes()), ")");
-}
-
-inline void check_device(const char* op, const std::string& name, const at::Tensor& t,
-                         const at::Device& device) {
-  TORCH_CHECK_VALUE(t.device() == device, "dflash.", op, ": ", name, " must be on ", device,
-                    ", got ", t.device());
-}
-
-inline void check_shape(const char* op, const std::string& name, const at::Tensor& t,
-                        c10::IntArrayRef shape) {
-  TORCH_CHECK_VALUE(t.sizes() == shape, "dflash.", op, ": ", name, " must have shape ",
-                    py_list(shape), ", got ", py_list(t.sizes()));
-}
-
-inline void check_same_dtype(const char* op, const std::string& name, const at::Tensor& t,
-                             const char* ref_name, const at::Tensor& ref) {
-  TORCH_CHECK_VALUE(t.scalar_type() == ref.scalar_type(), "dflash.", op, ": ", name,
-                    " must have the dtype of ", ref_name, " (", dtype_name(ref.scalar_type()),
-                    "), got ", dtype_name(t.scalar_type()));
-}
-
-inline bool last_dim_ok(const at::Tensor& t) {  // as the Python checks: unit stride unless D <= 1
-  return t.numel() == 0 || t.dim() == 0 || t.stride(-1) == 1 || t.size(-1) <= 1;
-}
 
 }  // namespace detail
 }  // namespace dflash_ops

@@ -1,4 +1,4 @@
-// The context K/V path: kv_proj and context_kv_ (references: dflash_ops/ops/kv.py).
+// The context K/V path: kv_proj and context_kv_ (references: dflash_ops/ops/context.py).
 //
 //   kv_proj      x[T, H] @ w_kv[N, H]^T (+ bias[N]) -> [T, N], through ATen (cuBLAS)
 //   context_kv_  (hidden RMSNorm of x) -> kv = kv_proj(x, w_kv, bias) [T, N = L*2*Hkv*D] ->
@@ -27,6 +27,8 @@
 // whose slot is skipped is still normalised (the norm's shuffles span the warp) but not stored.
 #include "dflash_ops.h"
 
+#include "checks.h"
+#include "register.h"
 #include "common.cuh"
 #include "rope_common.cuh"
 
@@ -35,29 +37,21 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <limits>
 #include <optional>
-#include <sstream>
-#include <string>
 
 namespace dflash_ops {
 namespace {
 
-using namespace detail;  // common.cuh, rope_common.cuh
+using namespace detail;  // common.cuh, rope_common.cuh, checks.h
 
 // ---------------------------------------------------------------------------------------------
 // Device side: no framework types.
-
-// One layer's K or V cache: base pointer and byte strides of [num_blocks, block_size, Hkv].
-struct CacheView {
-  char* base;
-  int64_t s_block, s_row, s_head;
-};
 
 template <int MAXL>
 struct ContextParams {
@@ -140,29 +134,17 @@ __global__ void __launch_bounds__(kBlock, V > 1 ? 5 : 1)
 }
 
 // ---------------------------------------------------------------------------------------------
-// Host side: argument checks in the words of dflash_ops/ops/_checks.py, then the launch.
+// Host side: argument checks (checks.h; the order of dflash_ops/ops/context.py), then the
+// launch.
 
 constexpr int kMaxLayers = 64;
 
-// _checks.index_vector: [n] int64 on device.
-void check_index_vector(const char* op, const char* name, const at::Tensor& t, int64_t n,
-                        const at::Device& device) {
-  check_rank(op, name, t, 1);
-  TORCH_CHECK_VALUE(t.scalar_type() == at::kLong, "dflash.", op, ": ", name,
-                    " must be int64, got ", dtype_name(t.scalar_type()));
-  check_device(op, name, t, device);
-  TORCH_CHECK_VALUE(t.size(0) == n, "dflash.", op, ": ", name, " must have ", n,
-                    " entries (one per token), got ", t.size(0));
-}
-
-// kv.py _check_proj: x [T, H] float on CUDA; w_kv [N, H], bias [N], both of x's dtype.
+// x [T, H] float on CUDA; w_kv [N, H], bias [N], both of x's dtype.
 void check_proj(const char* op, const at::Tensor& x, const at::Tensor& w_kv,
                 const std::optional<at::Tensor>& bias) {
   check_rank(op, "x", x, 2);
-  TORCH_CHECK_VALUE(is_float(x.scalar_type()), "dflash.", op,
-                    ": x must be bfloat16/float16/float32, got ", dtype_name(x.scalar_type()));
-  TORCH_CHECK_VALUE(x.is_cuda(), "dflash.", op, ": x must be a CUDA tensor, got device ",
-                    x.device());
+  check_float(op, "x", x);
+  check_cuda(op, "x", x);
   const at::Device device = x.device();
   check_rank(op, "w_kv", w_kv, 2);
   check_device(op, "w_kv", w_kv, device);
@@ -176,32 +158,6 @@ void check_proj(const char* op, const at::Tensor& x, const at::Tensor& w_kv,
   }
 }
 
-// _checks.caches for one list: n_layers caches [num_blocks, block_size, hkv, d] of x's dtype
-// and device, one shape, unit stride in D.
-void check_caches(const char* op, const char* name, at::TensorList caches, int64_t n_layers,
-                  int64_t hkv, int64_t d, const at::Tensor& x) {
-  TORCH_CHECK_VALUE(static_cast<int64_t>(caches.size()) == n_layers, "dflash.", op, ": ", name,
-                    " must hold one cache per layer (", n_layers, "), got ", caches.size());
-  for (size_t i = 0; i < caches.size(); ++i) {
-    const at::Tensor& c = caches[i];
-    const std::string ci = std::string(name) + "[" + std::to_string(i) + "]";
-    check_rank(op, ci, c, 4);
-    TORCH_CHECK_VALUE(c.scalar_type() == x.scalar_type(), "dflash.", op, ": ", ci, " must be ",
-                      dtype_name(x.scalar_type()), ", got ", dtype_name(c.scalar_type()));
-    check_device(op, ci, c, x.device());
-    TORCH_CHECK_VALUE(last_dim_ok(c), "dflash.", op, ": ", ci,
-                      " must have unit stride in its last dimension, got strides ",
-                      py_tuple(c.strides()));
-    TORCH_CHECK_VALUE(c.size(2) == hkv && c.size(3) == d, "dflash.", op, ": ", ci,
-                      " must have shape [num_blocks, block_size, ", hkv, ", ", d,
-                      "] (Hkv, D), got ", py_list(c.sizes()));
-    TORCH_CHECK_VALUE(i == 0 || c.sizes() == caches[0].sizes(), "dflash.", op, ": ", ci,
-                      " has shape ", py_list(c.sizes()), " but ", name, "[0] has ",
-                      py_list(caches[0].sizes()));
-  }
-}
-
-// kv.py _check_context, in its order; then the C++ limit on layers.
 void check_context(const at::Tensor& x, const at::Tensor& w_kv,
                    const std::optional<at::Tensor>& bias, const at::Tensor& k_weight,
                    const at::Tensor& positions, const at::Tensor& cos_sin_cache,
@@ -213,16 +169,11 @@ void check_context(const at::Tensor& x, const at::Tensor& w_kv,
   const at::Device device = x.device();
   TORCH_CHECK_VALUE(!k_caches.empty(), "dflash.", op,
                     ": k_caches must be a non-empty list of per-layer caches");
-  // k_caches[0]: rank 4, x's dtype and device; its [*, *, Hkv, D] sets the shapes
-  const at::Tensor& c0 = k_caches[0];
-  check_rank(op, "k_caches[0]", c0, 4);
-  TORCH_CHECK_VALUE(c0.scalar_type() == x.scalar_type(), "dflash.", op, ": k_caches[0] must be ",
-                    dtype_name(x.scalar_type()), ", got ", dtype_name(c0.scalar_type()));
-  check_device(op, "k_caches[0]", c0, device);
+  // k_caches[0] sets L, Hkv and D
+  check_cache(op, Arg("k_caches", 0), k_caches[0], x);
   const int64_t n_layers = static_cast<int64_t>(k_caches.size());
-  const int64_t hkv = c0.size(2), d = c0.size(3);
-  TORCH_CHECK_VALUE(d == 16 || d == 32 || d == 64 || d == 128 || d == 256, "dflash.", op,
-                    ": k_caches[0] head_dim must be one of [16, 32, 64, 128, 256], got ", d);
+  const int64_t hkv = k_caches[0].size(2), d = k_caches[0].size(3);
+  check_head_dim(op, Arg("k_caches", 0), d);
   check_caches(op, "k_caches", k_caches, n_layers, hkv, d, x);
   check_caches(op, "v_caches", v_caches, n_layers, hkv, d, x);
   const int64_t n = n_layers * 2 * hkv * d;
@@ -234,32 +185,16 @@ void check_context(const at::Tensor& x, const at::Tensor& w_kv,
   check_same_dtype(op, "k_weight", k_weight, "x", x);
   const int64_t t = x.size(0);
   check_index_vector(op, "positions", positions, t, device);
-  // cos_sin_cache: [P, R] fp32, P > 0, R even, 0 < R <= D
-  check_rank(op, "cos_sin_cache", cos_sin_cache, 2);
-  TORCH_CHECK_VALUE(cos_sin_cache.scalar_type() == at::kFloat, "dflash.", op,
-                    ": cos_sin_cache must be float32, got ",
-                    dtype_name(cos_sin_cache.scalar_type()));
-  check_device(op, "cos_sin_cache", cos_sin_cache, device);
-  const int64_t r = cos_sin_cache.size(1);
-  TORCH_CHECK_VALUE(cos_sin_cache.size(0) > 0, "dflash.", op,
-                    ": cos_sin_cache must have at least one position row, got shape [0, R]");
-  TORCH_CHECK_VALUE(r % 2 == 0 && r > 0 && r <= d, "dflash.", op,
-                    ": cos_sin_cache must have an even number of columns R with 0 < R <= "
-                    "head_dim (", d, "), got R = ", r);
+  check_cos_sin_cache(op, cos_sin_cache, d, device);
   check_index_vector(op, "slot_mapping", slot_mapping, t, device);
-  TORCH_CHECK_VALUE(k_caches[0].sizes().slice(0, 2) == v_caches[0].sizes().slice(0, 2),
-                    "dflash.", op, ": v_caches must have the [num_blocks, block_size] of "
-                    "k_caches ", py_list(k_caches[0].sizes().slice(0, 2)), ", got ",
-                    py_list(v_caches[0].sizes().slice(0, 2)));
+  check_cache_blocks(op, k_caches, v_caches);
   if (hidden_norm_weight.has_value()) {
     check_device(op, "hidden_norm_weight", *hidden_norm_weight, device);
     check_shape(op, "hidden_norm_weight", *hidden_norm_weight, {x.size(1)});
     check_same_dtype(op, "hidden_norm_weight", *hidden_norm_weight, "x", x);
   }
-  TORCH_CHECK_VALUE(eps >= 0.0, "dflash.", op, ": eps must be >= 0, got ", py_float(eps));
-  TORCH_CHECK_VALUE(n_layers <= kMaxLayers, "dflash.", op, ": k_caches has L = ", n_layers,
-                    " layers; one call writes at most ", kMaxLayers,
-                    " (split the call over layers)");
+  check_eps(op, eps);
+  check_max_layers(op, "k_caches", n_layers, kMaxLayers);
 }
 
 // x @ w_kv^T (+ bias) through cuBLAS: [T, N] contiguous in x's dtype, fp32 accumulation, one
@@ -268,7 +203,6 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& w_kv,
                    const std::optional<at::Tensor>& bias) {
   return bias.has_value() ? at::addmm(*bias, x, w_kv.t()) : at::mm(x, w_kv.t());
 }
-
 
 template <class E, int V, int NU, int MAXL>
 void launch(const ContextParams<MAXL>& p, bool neox, int tpr_log2, dim3 grid,
@@ -417,3 +351,9 @@ void context_kv_(const at::Tensor& x, const at::Tensor& w_kv,
 }
 
 }  // namespace dflash_ops
+
+static void register_kernels(torch::Library& m) {
+  m.impl("kv_proj", TORCH_FN(dflash_ops::kv_proj));
+  m.impl("context_kv_", TORCH_FN(dflash_ops::context_kv_));
+}
+DFLASH_OPS_REGISTER_CUDA(register_kernels)

@@ -1,10 +1,11 @@
 // dflash_ops: the CUDA kernels of torch.ops.dflash, callable from C++.
 //
-// The op schemas are defined in Python (dflash_ops/ops/*.py); csrc/registration.cpp registers
-// these functions as their CUDA kernels. C++ users linking the CMake library `dflash_ops` can
-// call them directly. Every function validates its arguments (TORCH_CHECK_VALUE, which Python
-// sees as ValueError) before any kernel runs, launches on the current CUDA stream, never
-// synchronises, and is safe inside CUDA-graph capture.
+// The op schemas are defined in Python (dflash_ops/ops/*.py); each csrc/<family>.cu registers
+// its functions as the CUDA kernels of those ops (TORCH_LIBRARY_IMPL(dflash, CUDA, m)). C++
+// users linking the CMake library `dflash_ops` can call them directly. Every function checks
+// its arguments (TORCH_CHECK_VALUE, which Python sees as ValueError) before any kernel runs,
+// launches on the current CUDA stream, never synchronises, and is safe inside CUDA-graph
+// capture.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -135,30 +136,5 @@ void block_attention_out_(const at::Tensor& q, const at::Tensor& k_cache,
                           const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                           double scale, bool causal, int64_t window,
                           const std::optional<at::Tensor>& sinks, at::Tensor& out);
-
-// dflash_spec::greedy_commit_ (csrc/accept.cu): greedy acceptance + commit of a verified block;
-// contract: dflash_ops/speculator/accept.py greedy_commit_ref. All int64 but done (bool).
-void greedy_commit_(const at::Tensor& block, const at::Tensor& post, const at::Tensor& rows,
-                    at::Tensor& n_out, at::Tensor& start, at::Tensor& last,
-                    at::Tensor& out_tokens, const at::Tensor& stop_ids, int64_t max_new,
-                    at::Tensor& kept, at::Tensor& done, at::Tensor& ctx_pos);
-
-// dflash_spec::sample_commit_ (csrc/accept.cu): speculative rejection sampling + the commit;
-// contract: dflash_ops/speculator/accept.py sample_commit_ref. p [R, B, V], q [R, B-1, V],
-// u [R, B-1], u_res [R] float32; the rest as greedy_commit_.
-void sample_commit_(const at::Tensor& block, const at::Tensor& p, const at::Tensor& q,
-                    const at::Tensor& u, const at::Tensor& u_res, const at::Tensor& rows,
-                    at::Tensor& n_out, at::Tensor& start, at::Tensor& last,
-                    at::Tensor& out_tokens, const at::Tensor& stop_ids, int64_t max_new,
-                    at::Tensor& kept, at::Tensor& done, at::Tensor& ctx_pos);
-
-// dflash_spec::prepare_step_ (csrc/prepare.cu): a speculator step's static inputs (block rows,
-// request slots, starts, padding, context rows) in one launch; contract:
-// dflash_ops/speculator/prepare.py prepare_step_. All int64; drafts with no rows: none.
-void prepare_step_(const at::Tensor& rows, const at::Tensor& last, const at::Tensor& start,
-                   const at::Tensor& drafts, const at::Tensor& ctx_rows,
-                   const at::Tensor& ctx_pos, int64_t fill_id, int64_t scratch,
-                   at::Tensor& block_out, at::Tensor& requests_out, at::Tensor& start_out,
-                   at::Tensor& ctx_req_out, at::Tensor& ctx_pos_out);
 
 }  // namespace dflash_ops

@@ -18,32 +18,27 @@
 // 64-bit bytes (a cache may pass 2^31 elements).
 #include "dflash_ops.h"
 
+#include "checks.h"
+#include "register.h"
 #include "common.cuh"
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <limits>
-#include <sstream>
-#include <string>
 
 namespace dflash_ops {
 namespace {
 
-using namespace detail;  // common.cuh
+using namespace detail;  // common.cuh, checks.h
 
 // ---------------------------------------------------------------------------------------------
 // Device side: no framework types.
-
-// One layer's K or V cache: base pointer and byte strides of [num_blocks, block_size, Hkv].
-struct CacheView {
-  char* base;
-  int64_t s_block, s_row, s_head;
-};
 
 template <int MAXL>
 struct StoreParams {
@@ -115,93 +110,35 @@ __global__ void __launch_bounds__(kBlock, 5)
 }
 
 // ---------------------------------------------------------------------------------------------
-// Host side: argument checks in the words of dflash_ops/ops/_checks.py, then the launch.
+// Host side: argument checks (checks.h; the order of dflash_ops/ops/kv.py), then the launch.
 
 constexpr const char* kOp = "store_kv_";
 constexpr int kMaxLayers = 64;
 
-// _checks.tensor for one cache: rank 4, k's dtype, k's device, unit last stride; then
-// [*, *, Hkv, D] and the shape of the list's first cache.
-void check_cache(const std::string& name, const at::Tensor& c, const at::Tensor& k,
-                 const at::Tensor* first) {
-  TORCH_CHECK_VALUE(c.dim() == 4, "dflash.", kOp, ": ", name, " must have rank 4, got rank ",
-                    c.dim(), " (shape ", py_tuple(c.sizes()), ")");
-  TORCH_CHECK_VALUE(c.scalar_type() == k.scalar_type(), "dflash.", kOp, ": ", name, " must be ",
-                    dtype_name(k.scalar_type()), ", got ", dtype_name(c.scalar_type()));
-  TORCH_CHECK_VALUE(c.device() == k.device(), "dflash.", kOp, ": ", name, " must be on ",
-                    k.device(), ", got ", c.device());
-  TORCH_CHECK_VALUE(last_dim_ok(c), "dflash.", kOp, ": ", name,
-                    " must have unit stride in its last dimension, got strides ",
-                    py_tuple(c.strides()));
-  TORCH_CHECK_VALUE(c.size(2) == k.size(2) && c.size(3) == k.size(3), "dflash.", kOp, ": ", name,
-                    " must have shape [num_blocks, block_size, ", k.size(2), ", ", k.size(3),
-                    "] (Hkv, D), got ", py_list(c.sizes()));
-  if (first != nullptr) {
-    const std::string list = name.substr(0, name.find('['));
-    TORCH_CHECK_VALUE(c.sizes() == first->sizes(), "dflash.", kOp, ": ", name, " has shape ",
-                      py_list(c.sizes()), " but ", list, "[0] has ", py_list(first->sizes()));
-  }
-}
-
 void check_store(const at::Tensor& k, const at::Tensor& v, at::TensorList k_caches,
                  at::TensorList v_caches, const at::Tensor& slot_mapping) {
   // k: [T, L, Hkv, D] bf16/fp16/fp32 on CUDA, unit stride in D
-  TORCH_CHECK_VALUE(k.dim() == 4, "dflash.", kOp, ": k must have rank 4, got rank ", k.dim(),
-                    " (shape ", py_tuple(k.sizes()), ")");
-  const auto dt = k.scalar_type();
-  TORCH_CHECK_VALUE(dt == at::kBFloat16 || dt == at::kHalf || dt == at::kFloat, "dflash.", kOp,
-                    ": k must be bfloat16/float16/float32, got ", dtype_name(dt));
-  TORCH_CHECK_VALUE(k.is_cuda(), "dflash.", kOp, ": k must be a CUDA tensor, got device ",
-                    k.device());
-  TORCH_CHECK_VALUE(last_dim_ok(k), "dflash.", kOp,
-                    ": k must have unit stride in its last dimension, got strides ",
-                    py_tuple(k.strides()));
+  check_rank(kOp, "k", k, 4);
+  check_float(kOp, "k", k);
+  check_cuda(kOp, "k", k);
+  check_last_dim(kOp, "k", k);
   const int64_t n_layers = k.size(1), d = k.size(3);
   TORCH_CHECK_VALUE(n_layers > 0, "dflash.", kOp,
                     ": k must hold at least one layer ([T, L, Hkv, D] with L >= 1) and k_caches "
                     "one cache per layer, got k ", py_list(k.sizes()));
-  TORCH_CHECK_VALUE(d == 16 || d == 32 || d == 64 || d == 128 || d == 256, "dflash.", kOp,
-                    ": k head_dim must be one of [16, 32, 64, 128, 256], got ", d);
+  check_head_dim(kOp, "k", d);
   // v: k's shape, device and dtype, its own strides (unit stride in D)
-  TORCH_CHECK_VALUE(v.device() == k.device(), "dflash.", kOp, ": v must be on ", k.device(),
-                    ", got ", v.device());
-  TORCH_CHECK_VALUE(v.sizes() == k.sizes(), "dflash.", kOp, ": v must have shape ",
-                    py_list(k.sizes()), ", got ", py_list(v.sizes()));
-  TORCH_CHECK_VALUE(last_dim_ok(v), "dflash.", kOp,
-                    ": v must have unit stride in its last dimension, got strides ",
-                    py_tuple(v.strides()));
-  TORCH_CHECK_VALUE(v.scalar_type() == dt, "dflash.", kOp, ": v must have the dtype of k (",
-                    dtype_name(dt), "), got ", dtype_name(v.scalar_type()));
+  check_device(kOp, "v", v, k.device());
+  check_shape(kOp, "v", v, k.sizes());
+  check_last_dim(kOp, "v", v);
+  check_same_dtype(kOp, "v", v, "k", k);
   // k_caches, v_caches: L caches [num_blocks, block_size, Hkv, D] of one shape
-  for (const bool is_v : {false, true}) {
-    const char* name = is_v ? "v_caches" : "k_caches";
-    const at::TensorList caches = is_v ? v_caches : k_caches;
-    TORCH_CHECK_VALUE(static_cast<int64_t>(caches.size()) == n_layers, "dflash.", kOp, ": ",
-                      name, " must hold one cache per layer (", n_layers, "), got ",
-                      caches.size());
-    for (size_t i = 0; i < caches.size(); ++i) {
-      check_cache(std::string(name) + "[" + std::to_string(i) + "]", caches[i], k,
-                  i ? &caches[0] : nullptr);
-    }
-  }
-  TORCH_CHECK_VALUE(k_caches[0].sizes().slice(0, 2) == v_caches[0].sizes().slice(0, 2),
-                    "dflash.", kOp, ": v_caches must have the [num_blocks, block_size] of "
-                    "k_caches ", py_list(k_caches[0].sizes().slice(0, 2)), ", got ",
-                    py_list(v_caches[0].sizes().slice(0, 2)));
+  check_caches(kOp, "k_caches", k_caches, n_layers, k.size(2), d, k);
+  check_caches(kOp, "v_caches", v_caches, n_layers, k.size(2), d, k);
+  check_cache_blocks(kOp, k_caches, v_caches);
   // slot_mapping: [T] int64
-  TORCH_CHECK_VALUE(slot_mapping.dim() == 1, "dflash.", kOp,
-                    ": slot_mapping must have rank 1, got rank ", slot_mapping.dim(), " (shape ",
-                    py_tuple(slot_mapping.sizes()), ")");
-  TORCH_CHECK_VALUE(slot_mapping.scalar_type() == at::kLong, "dflash.", kOp,
-                    ": slot_mapping must be int64, got ", dtype_name(slot_mapping.scalar_type()));
-  TORCH_CHECK_VALUE(slot_mapping.device() == k.device(), "dflash.", kOp,
-                    ": slot_mapping must be on ", k.device(), ", got ", slot_mapping.device());
-  TORCH_CHECK_VALUE(slot_mapping.size(0) == k.size(0), "dflash.", kOp,
-                    ": slot_mapping must have ", k.size(0), " entries (one per token), got ",
-                    slot_mapping.size(0));
-  TORCH_CHECK_VALUE(n_layers <= kMaxLayers, "dflash.", kOp, ": k has L = ", n_layers,
-                    " layers; one call writes at most ", kMaxLayers,
-                    " (split the call over layers)");
+  check_index_vector(kOp, "slot_mapping", slot_mapping, k.size(0), k.device());
+  check_max_layers(kOp, "k", n_layers, kMaxLayers);
 }
 
 // The largest power-of-two byte count <= 16 dividing every value (pointers and byte strides).
@@ -297,3 +234,8 @@ void store_kv_(const at::Tensor& k, const at::Tensor& v, at::TensorList k_caches
 }
 
 }  // namespace dflash_ops
+
+static void register_kernels(torch::Library& m) {
+  m.impl("store_kv_", TORCH_FN(dflash_ops::store_kv_));
+}
+DFLASH_OPS_REGISTER_CUDA(register_kernels)

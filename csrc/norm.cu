@@ -18,6 +18,8 @@
 // every base pointer and every stride allow it, else single elements.
 #include "dflash_ops.h"
 
+#include "checks.h"
+#include "register.h"
 #include "common.cuh"
 
 #include <ATen/ops/empty.h>
@@ -25,21 +27,19 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/SmallVector.h>
+#include <torch/library.h>
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <limits>
 #include <sstream>
 
 namespace dflash_ops {
 namespace {
 
-using namespace detail;  // common.cuh
+using namespace detail;  // common.cuh, checks.h
 
 // ---------------------------------------------------------------------------------------------
 // Device side: no framework types.
@@ -261,31 +261,23 @@ __global__ void __launch_bounds__(kGenericBlock) rms_norm_generic_kernel(const N
 // ---------------------------------------------------------------------------------------------
 // Host side.
 
+// Argument checks (checks.h; the order of dflash_ops/ops/norm.py).
 void check_common(const char* op, const at::Tensor& x, const at::Tensor& weight, double eps) {
-  // x: [..., D]
-  TORCH_CHECK_VALUE(x.is_cuda(), "dflash.", op, ": x must be a CUDA tensor, got device ",
-                    x.device());
-  const auto dt = x.scalar_type();
-  TORCH_CHECK_VALUE(dt == at::kBFloat16 || dt == at::kHalf || dt == at::kFloat, "dflash.", op,
-                    ": x must be bfloat16/float16/float32, got ", float_dtype_name(dt));
+  // x: [..., D] bf16/fp16/fp32 on CUDA, unit stride in D
+  check_cuda(op, "x", x);
+  check_float(op, "x", x);
   TORCH_CHECK_VALUE(x.dim() >= 1, "dflash.", op, ": x must have rank >= 1, got a 0-d tensor");
-  TORCH_CHECK_VALUE(last_dim_ok(x), "dflash.", op,
-                    ": x must have unit stride in its last dimension, got strides ", x.strides());
-  // weight: [D] or [G, D]
+  check_last_dim(op, "x", x);
+  // weight: [D] or [G, D] of x's dtype, unit stride in D
   TORCH_CHECK_VALUE(weight.dim() == 1 || weight.dim() == 2, "dflash.", op,
                     ": weight must have rank 1 or 2, got rank ", weight.dim(), " (shape ",
-                    weight.sizes(), ")");
-  TORCH_CHECK_VALUE(weight.device() == x.device(), "dflash.", op, ": weight must be on ",
-                    x.device(), ", got ", weight.device());
-  TORCH_CHECK_VALUE(weight.scalar_type() == dt, "dflash.", op,
-                    ": weight must have the dtype of x (", float_dtype_name(dt), "), got ",
-                    float_dtype_name(weight.scalar_type()));
-  TORCH_CHECK_VALUE(last_dim_ok(weight), "dflash.", op,
-                    ": weight must have unit stride in its last dimension, got strides ",
-                    weight.strides());
+                    py_tuple(weight.sizes()), ")");
+  check_device(op, "weight", weight, x.device());
+  check_same_dtype(op, "weight", weight, "x", x);
+  check_last_dim(op, "weight", weight);
   const int64_t d = x.size(-1);
   TORCH_CHECK_VALUE(weight.size(-1) == d, "dflash.", op, ": weight must have ", d,
-                    " columns (the last dim of x), got shape ", weight.sizes());
+                    " columns (the last dim of x), got shape ", py_list(weight.sizes()));
   if (weight.dim() == 2) {
     TORCH_CHECK_VALUE(x.dim() >= 3, "dflash.", op,
                       ": a 2-D weight [G, D] needs x of rank >= 3 ([T, *inner, D]), got rank ",
@@ -295,9 +287,9 @@ void check_common(const char* op, const at::Tensor& x, const at::Tensor& weight,
     const int64_t g = weight.size(0);
     TORCH_CHECK_VALUE(g > 0 && inner % g == 0, "dflash.", op, ": weight has G = ", g,
                       " groups, which must divide the ", inner, " rows per token of x (shape ",
-                      x.sizes(), ")");
+                      py_list(x.sizes()), ")");
   }
-  TORCH_CHECK_VALUE(eps >= 0.0, "dflash.", op, ": eps must be >= 0, got ", eps);
+  check_eps(op, eps);
 }
 
 // The leading dims of x (and residual) after dropping size-1 dims and merging neighbours that
@@ -364,13 +356,9 @@ LaunchShape choose_shape(int64_t rows, int64_t nvec) {
   if (nvec <= 32 * 4) {
     // TPR = the power of two >= nvec / kRowsLaneVecs (capped at 32); then NV in {1, 2, 4} covers
     // the row. D = 128 bf16: 8 lanes x 2 vectors (40 registers, 6 blocks an SM, 32 bytes a lane
-    // in flight); kRowsLaneVecs = 1 gives 16 lanes x 1 (28 registers, 8 blocks, 16 bytes).
-    // Tuning knob for benchmarks/sweep_norm.py: DFLASH_OPS_NORM_LANE_VECS=1|2|4, read once.
-    static const int64_t kRowsLaneVecs = [] {
-      const char* v = std::getenv("DFLASH_OPS_NORM_LANE_VECS");
-      const int64_t n = v ? std::atoll(v) : 2;
-      return (n == 1 || n == 2 || n == 4) ? n : int64_t{2};
-    }();
+    // in flight). On the H200 at T >= 4096, 1 vector a lane (16 lanes, 28 registers) measured
+    // ~3% slower and 4 vectors a lane the same as 2.
+    constexpr int64_t kRowsLaneVecs = 2;
     s.path = Path::kRows;
     while (s.tpr_log2 < 5 && (int64_t{1} << s.tpr_log2) * kRowsLaneVecs < nvec) ++s.tpr_log2;
     const int64_t tpr = int64_t{1} << s.tpr_log2;
@@ -493,19 +481,19 @@ void fused_add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& 
                          double eps) {
   constexpr const char* op = "fused_add_rms_norm_";
   check_common(op, x, weight, eps);
-  TORCH_CHECK_VALUE(residual.device() == x.device(), "dflash.", op, ": residual must be on ",
-                    x.device(), ", got ", residual.device());
-  TORCH_CHECK_VALUE(residual.scalar_type() == x.scalar_type(), "dflash.", op,
-                    ": residual must have the dtype of x (", float_dtype_name(x.scalar_type()),
-                    "), got ", float_dtype_name(residual.scalar_type()));
-  TORCH_CHECK_VALUE(residual.sizes() == x.sizes(), "dflash.", op,
-                    ": residual must have the shape of x ", x.sizes(), ", got ",
-                    residual.sizes());
-  TORCH_CHECK_VALUE(last_dim_ok(residual), "dflash.", op,
-                    ": residual must have unit stride in its last dimension, got strides ",
-                    residual.strides());
+  // residual: x's shape, device and dtype, its own strides (unit stride in D)
+  check_device(op, "residual", residual, x.device());
+  check_same_dtype(op, "residual", residual, "x", x);
+  check_shape(op, "residual", residual, x.sizes());
+  check_last_dim(op, "residual", residual);
   if (x.numel() == 0) return;
   run<true>(op, x, weight, eps, nullptr, &residual);
 }
 
 }  // namespace dflash_ops
+
+static void register_kernels(torch::Library& m) {
+  m.impl("rms_norm", TORCH_FN(dflash_ops::rms_norm));
+  m.impl("fused_add_rms_norm_", TORCH_FN(dflash_ops::fused_add_rms_norm_));
+}
+DFLASH_OPS_REGISTER_CUDA(register_kernels)

@@ -11,7 +11,7 @@
 //
 // Lanes. One group of tpr lanes per head row (x, q, k: any strides, unit stride in D):
 //   vector path: 16-byte vectors; two units a lane for bf16/fp16 (D = 128: 4 lanes x 4 x 16
-//   bytes; one with DFLASH_OPS_ROPE_LANE_UNITS=1), one for fp32.
+//   bytes), one for fp32.
 //   scalar path: V = 1, four units a lane, for what the vector path cannot take (a view not on
 //   16-byte boundaries, NeoX with R/2 or (D-R)/2 not a multiple of the vector, a strided weight).
 // One head row a group (the most rows in flight; 256-thread blocks, 256 / tpr rows each): the
@@ -20,29 +20,26 @@
 // knorm_rope_ (weight row = layer); row -> (token, head) by multiply-shift division.
 #include "dflash_ops.h"
 
+#include "checks.h"
+#include "register.h"
 #include "common.cuh"
 #include "rope_common.cuh"
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <initializer_list>
 #include <limits>
-#include <sstream>
-#include <string>
 
 namespace dflash_ops {
 namespace {
 
-using namespace detail;  // common.cuh, rope_common.cuh
+using namespace detail;  // common.cuh, rope_common.cuh, checks.h
 
 // ---------------------------------------------------------------------------------------------
 // Device side: no framework types.
@@ -122,78 +119,38 @@ __global__ void __launch_bounds__(kBlock, (NU == 1 && V > 1) ? 5 : 1)
 }
 
 // ---------------------------------------------------------------------------------------------
-// Host side: argument checks in the words of dflash_ops/ops/_checks.py, then the launch.
+// Host side: argument checks (checks.h; the order of dflash_ops/ops/rope.py), then the launch.
 
-constexpr std::initializer_list<at::ScalarType> kFloatTypes = {at::kBFloat16, at::kHalf,
-                                                               at::kFloat};
-
-// _checks.tensor: rank, dtype, device, shape, unit last stride, in that order. device: the one
-// t must be on; nullptr: t is the op's first tensor and must be a CUDA tensor.
-void check_tensor(const char* op, const std::string& name, const at::Tensor& t, int64_t rank,
-                  std::initializer_list<at::ScalarType> dtypes, const at::Device* device,
-                  c10::IntArrayRef shape = {}, bool last_contiguous = false) {
-  if (rank >= 0) {
-    TORCH_CHECK_VALUE(t.dim() == rank, "dflash.", op, ": ", name, " must have rank ", rank,
-                      ", got rank ", t.dim(), " (shape ", py_tuple(t.sizes()), ")");
-  }
-  if (dtypes.size() > 0) {
-    bool ok = false;
-    std::string names;
-    for (const at::ScalarType d : dtypes) {
-      ok = ok || t.scalar_type() == d;
-      names += (names.empty() ? "" : "/") + std::string(dtype_name(d));
-    }
-    TORCH_CHECK_VALUE(ok, "dflash.", op, ": ", name, " must be ", names, ", got ",
-                      dtype_name(t.scalar_type()));
-  }
-  if (device == nullptr) {
-    TORCH_CHECK_VALUE(t.is_cuda(), "dflash.", op, ": ", name,
-                      " must be a CUDA tensor, got device ", t.device());
-  } else {
-    TORCH_CHECK_VALUE(t.device() == *device, "dflash.", op, ": ", name, " must be on ", *device,
-                      ", got ", t.device());
-  }
-  if (!shape.empty()) {
-    TORCH_CHECK_VALUE(t.sizes() == shape, "dflash.", op, ": ", name, " must have shape ",
-                      py_list(shape), ", got ", py_list(t.sizes()));
-  }
-  if (last_contiguous) {
-    TORCH_CHECK_VALUE(t.numel() == 0 || t.dim() == 0 || t.stride(-1) == 1 || t.size(-1) <= 1,
-                      "dflash.", op, ": ", name,
-                      " must have unit stride in its last dimension, got strides ",
-                      py_tuple(t.strides()));
-  }
-}
-
-// _check_heads: x[T, ..., D] float, unit stride in D, D a supported head_dim.
+// x[T, ..., D] of the given rank: float, unit stride in D, D a supported head_dim. device: the
+// one x must be on; nullptr: x is the op's first tensor and must be a CUDA tensor.
 void check_heads(const char* op, const char* name, const at::Tensor& x, int64_t rank,
                  const at::Device* device) {
-  check_tensor(op, name, x, rank, kFloatTypes, device, {}, /*last_contiguous=*/true);
-  const int64_t d = x.size(-1);
-  TORCH_CHECK_VALUE(d == 16 || d == 32 || d == 64 || d == 128 || d == 256, "dflash.", op, ": ",
-                    name, " head_dim must be one of [16, 32, 64, 128, 256], got ", d);
+  check_rank(op, name, x, rank);
+  check_float(op, name, x);
+  if (device == nullptr) {
+    check_cuda(op, name, x);
+  } else {
+    check_device(op, name, x, *device);
+  }
+  check_last_dim(op, name, x);
+  check_head_dim(op, name, x.size(-1));
 }
 
-void check_eps(const char* op, double eps) {
-  TORCH_CHECK_VALUE(eps >= 0.0, "dflash.", op, ": eps must be >= 0, got ", py_float(eps));
-}
-
-// _check_pos: positions [T] int64, cos_sin_cache [P, R] fp32 with R even, 0 < R <= D, P > 0.
+// positions [T] int64, cos_sin_cache [P, R] fp32.
 void check_positions(const char* op, const at::Tensor& positions,
                      const at::Tensor& cos_sin_cache, int64_t t, int64_t d,
                      const at::Device& device) {
-  check_tensor(op, "positions", positions, 1, {at::kLong}, &device);
-  TORCH_CHECK_VALUE(positions.size(0) == t, "dflash.", op, ": positions must have ", t,
-                    " entries (one per token), got ", positions.size(0));
-  check_tensor(op, "cos_sin_cache", cos_sin_cache, 2, {at::kFloat}, &device);
-  const int64_t r = cos_sin_cache.size(1);
-  TORCH_CHECK_VALUE(cos_sin_cache.size(0) > 0, "dflash.", op,
-                    ": cos_sin_cache must have at least one position row, got shape [0, R]");
-  TORCH_CHECK_VALUE(r % 2 == 0 && r > 0 && r <= d, "dflash.", op,
-                    ": cos_sin_cache must have an even number of columns R with 0 < R <= "
-                    "head_dim (", d, "), got R = ", r);
+  check_index_vector(op, "positions", positions, t, device);
+  check_cos_sin_cache(op, cos_sin_cache, d, device);
 }
 
+// A norm weight: the given shape, on device, of ref's dtype.
+void check_weight(const char* op, const char* name, const at::Tensor& w, c10::IntArrayRef shape,
+                  const at::Device& device, const char* ref_name, const at::Tensor& ref) {
+  check_device(op, name, w, device);
+  check_shape(op, name, w, shape);
+  check_same_dtype(op, name, w, ref_name, ref);
+}
 
 // One head set's description for the launcher.
 struct SetArg {
@@ -232,16 +189,9 @@ void launch_dtype(const RopeParams& p, bool vec, int nu, bool neox, bool norm, i
   }
 }
 
-// Units a lane on the 16-bit vector path: 2 (64 bytes of a row in flight a lane; D = 128 bf16:
-// 4 lanes a row), or DFLASH_OPS_ROPE_LANE_UNITS=1|2 for tuning sweeps; read once. (fp32: 1.)
-int vector_lane_units() {
-  static const int n = [] {
-    const char* v = std::getenv("DFLASH_OPS_ROPE_LANE_UNITS");
-    const int u = v ? std::atoi(v) : 2;
-    return u == 1 || u == 2 ? u : 2;
-  }();
-  return n;
-}
+// Units a lane on the 16-bit vector path: 64 bytes of a row in flight a lane (D = 128 bf16: 4
+// lanes a row). fp32 takes one unit a lane.
+constexpr int kVectorLaneUnits = 2;
 
 // Builds the parameters and launches; the arguments are checked. sets[1].x may be null; a set
 // may have no heads. what: the tensors' names, for the one error left (too many rows).
@@ -297,7 +247,7 @@ void run(const char* op, const char* what, const SetArg (&sets)[2], const at::Te
   // lanes with nu units each, at most 32 lanes.
   const int v = vec ? static_cast<int>(vmax) : 1;
   p.rope.units = static_cast<int>(d / (2 * v));
-  const int nu = !vec ? 4 : es == 4 ? 1 : std::min(vector_lane_units(), p.rope.units);
+  const int nu = !vec ? 4 : es == 4 ? 1 : std::min(kVectorLaneUnits, p.rope.units);
   int tpr_log2 = 0;
   while ((1 << tpr_log2) * nu < p.rope.units && tpr_log2 < 5) ++tpr_log2;
   const int64_t rows_per_block = kBlock >> tpr_log2;
@@ -345,10 +295,8 @@ void qk_norm_rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& q_weight,
   TORCH_CHECK_VALUE(k.size(0) == q.size(0) && k.size(2) == d, "dflash.", op,
                     ": k must be [T=", q.size(0), ", Hkv, D=", d, "] like q, got ",
                     py_list(k.sizes()));
-  check_tensor(op, "q_weight", q_weight, -1, {}, &device, {d});
-  check_same_dtype(op, "q_weight", q_weight, "q", q);
-  check_tensor(op, "k_weight", k_weight, -1, {}, &device, {d});
-  check_same_dtype(op, "k_weight", k_weight, "q", q);
+  check_weight(op, "q_weight", q_weight, {d}, device, "q", q);
+  check_weight(op, "k_weight", k_weight, {d}, device, "q", q);
   check_eps(op, eps);
   check_positions(op, positions, cos_sin_cache, q.size(0), d, device);
   if (q.numel() == 0 && k.numel() == 0) return;
@@ -363,8 +311,7 @@ void knorm_rope_(at::Tensor& k, const at::Tensor& k_weight, const at::Tensor& po
   check_heads(op, "k", k, 4, nullptr);
   const at::Device device = k.device();
   const int64_t d = k.size(3);
-  check_tensor(op, "k_weight", k_weight, -1, {}, &device, {k.size(1), d});
-  check_same_dtype(op, "k_weight", k_weight, "k", k);
+  check_weight(op, "k_weight", k_weight, {k.size(1), d}, device, "k", k);
   check_eps(op, eps);
   check_positions(op, positions, cos_sin_cache, k.size(0), d, device);
   if (k.numel() == 0) return;
@@ -373,3 +320,10 @@ void knorm_rope_(at::Tensor& k, const at::Tensor& k_weight, const at::Tensor& po
 }
 
 }  // namespace dflash_ops
+
+static void register_kernels(torch::Library& m) {
+  m.impl("rope_", TORCH_FN(dflash_ops::rope_));
+  m.impl("qk_norm_rope_", TORCH_FN(dflash_ops::qk_norm_rope_));
+  m.impl("knorm_rope_", TORCH_FN(dflash_ops::knorm_rope_));
+}
+DFLASH_OPS_REGISTER_CUDA(register_kernels)

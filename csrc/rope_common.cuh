@@ -231,7 +231,7 @@ __device__ __forceinline__ void rotate_store_units(const RotaryRow& g,
 // Host side.
 
 // The table and geometry for head_dim d; units is left for the caller (it depends on the
-// vector width). cos_sin_cache: [P, R] fp32, checked (P > 0, R even, 0 < R <= d).
+// vector width). cos_sin_cache: [P, R] fp32, checked (R even, 0 < R <= d; P may be 0).
 inline RotaryRow make_rotary_row(const at::Tensor& cos_sin_cache, int64_t d, double eps) {
   RotaryRow g{};
   const int64_t r = cos_sin_cache.size(1);

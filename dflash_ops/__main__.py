@@ -1,5 +1,7 @@
+"""``python -m dflash_ops``: the ``dflash-ops`` command."""
 import sys
 
 from .cli import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

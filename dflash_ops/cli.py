@@ -6,6 +6,65 @@ import platform
 import sys
 
 
+class UsageError(Exception):
+    """A bad option value found after parsing; printed as one ``<prog>: error:`` line, exit 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``<prog>: error: <message>`` on stderr, exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def int_at_least(low: int, why: str = ""):
+    """An argparse type: an integer >= ``low``; the error names what was given and the bound."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"got {text!r}; allowed: an integer >= {low}{why}")
+        return value
+
+    return parse
+
+
+def seed_arg(text: str) -> int:
+    """An argparse type: a torch.Generator seed, -2**63 .. 2**64 - 1 (what manual_seed takes)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not -2 ** 63 <= value < 2 ** 64:
+        raise argparse.ArgumentTypeError(f"got {text!r}; allowed: an integer -2**63 .. 2**64 - 1")
+    return value
+
+
+def device_arg(text: str) -> str:
+    """An argparse type: ``cpu``, ``cuda`` or ``cuda:N``, usable by this torch on this machine."""
+    import torch
+
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        dev = None
+    n_gpus = torch.cuda.device_count()
+    if dev is not None and dev.type == "cuda" and n_gpus == 0:
+        why = ("a CPU-only build" if torch.version.cuda is None
+               else f"CUDA {torch.version.cuda}, but no GPU is visible")
+        raise argparse.ArgumentTypeError(
+            f"got {text!r}, but this torch {torch.__version__} ({why}) has no CUDA device; "
+            f"allowed here: cpu")
+    if dev is None or not ((dev.type == "cpu" and dev.index is None) or
+                           (dev.type == "cuda" and (dev.index or 0) < n_gpus)):
+        gpus = "cuda:0" if n_gpus == 1 else f"cuda:0 .. cuda:{n_gpus - 1}"
+        raise argparse.ArgumentTypeError(
+            f"got {text!r}; allowed here: cpu" + (f", cuda, {gpus}" if n_gpus else ""))
+    return text
+
+
 def _info(args) -> int:
     import torch
 
@@ -28,17 +87,22 @@ def _info(args) -> int:
     st = _ext.STATUS
     print(f"CUDA extension: {st['how']} ({st['detail']})")
     print()
-    print(f"{'op':<22} {'torch':<6} {'triton':<7} {'cuda':<5} default on CUDA")
-    for name in sorted(dispatch.ops()):
+    # default: the op's declared backend on CUDA (every call recorded into a CUDA graph); eager:
+    # the declared one for calls outside capture, where it differs; runs: what an eager / a
+    # captured CUDA call resolves to here (unless a kernel is absent or a backend is forced)
+    print(f"{'op':<22} {'torch':<6} {'triton':<7} {'cuda':<5} {'default':<8} {'eager':<7} "
+          f"runs on CUDA (eager / graph)")
+    for name, op in sorted(dispatch.ops().items()):
         have = [("yes" if dispatch.has_backend(name, b) else "-") for b in dispatch.BACKENDS]
-        print(f"{name:<22} {have[0]:<6} {have[1]:<7} {have[2]:<5} {dispatch.resolve(name, 'cuda')}")
+        print(f"{name:<22} {have[0]:<6} {have[1]:<7} {have[2]:<5} {op.default:<8} "
+              f"{op.eager or '-':<7} {dispatch.resolve(name, 'cuda')} / "
+              f"{dispatch.resolve(name, 'cuda', graph=True)}")
     return 0
 
 
 def _check(args) -> int:
     import torch
 
-    import dflash_ops  # noqa: F401
     from dflash_ops import check
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
@@ -58,23 +122,39 @@ def _bench(rest) -> int:
     return bench_main(rest) or 0
 
 
+def build_parser() -> Parser:
+    import dflash_ops
+    from dflash_ops.speculator import demo
+
+    parser = Parser(prog="dflash-ops", description=__doc__)
+    parser.add_argument("--version", action="version",
+                        version=f"dflash-ops {dflash_ops.__version__}")
+    sub = parser.add_subparsers(dest="cmd", metavar="{info,check,bench,demo}", required=True)
+    sub.add_parser("info", help="versions, GPU, extension status, backends per op")
+    c = sub.add_parser("check", help="every op vs the reference on random inputs; non-zero "
+                                     "exit on a mismatch")
+    c.add_argument("--device", type=device_arg, default=None,
+                   help="cpu, cuda or cuda:N (default: cuda if a GPU is visible, else cpu)")
+    c.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="test dtype (default: bf16 on CUDA, fp16 on CPU)")
+    sub.add_parser("bench", help="run benchmark suites (dflash-ops bench --list)")
+    demo.add_parser(sub)
+    return parser
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "bench":  # the bench suite parses its own arguments
         return _bench(argv[1:])
-    parser = argparse.ArgumentParser(prog="dflash-ops", description=__doc__)
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("info", help="versions, GPU, extension status, backends per op")
-    c = sub.add_parser("check", help="every op vs the reference on random inputs; non-zero "
-                                     "exit on a mismatch")
-    c.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    c.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
-                   help="test dtype (default: bf16 on CUDA, fp16 on CPU)")
-    sub.add_parser("bench", help="run benchmark suites (dflash-ops bench --list)")
-    from dflash_ops.speculator import demo
-    demo.add_parser(sub)
+    parser = build_parser()
     args = parser.parse_args(argv)
-    return {"info": _info, "check": _check, "demo": demo.run}[args.cmd](args)
+    from dflash_ops.speculator import demo
+
+    try:
+        return {"info": _info, "check": _check, "demo": demo.run}[args.cmd](args)
+    except UsageError as e:
+        print(f"dflash-ops {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

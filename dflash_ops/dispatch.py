@@ -1,21 +1,43 @@
 """Backend registry and dispatch for ``torch.ops.dflash.*``.
 
-Every op has a schema (defined here, in Python, so the package works without the CUDA
-extension), a fake kernel, and up to three backends:
+Every op has a schema (defined in Python, in ``dflash_ops/ops/<family>.py``, so the package
+works without the CUDA extension), a fake kernel, and up to three backends:
 
 * ``torch``  - the PyTorch reference: every op, any device; the CPU kernel and the oracle.
-* ``triton`` - Triton kernels; CUDA tensors, or CPU tensors when ``TRITON_INTERPRET=1``.
-* ``cuda``   - the C++ kernels of ``dflash_ops._C`` (csrc/), registered by C++ through
-  ``TORCH_LIBRARY_IMPL(dflash, CUDA, m)``.
+* ``triton`` - Triton kernels (``dflash_ops/triton/<family>.py``); CUDA tensors, or CPU tensors
+  when ``TRITON_INTERPRET=1``.
+* ``cuda``   - the C++ kernels of ``dflash_ops._C`` (``csrc/<family>.cu``), registered by C++
+  through ``TORCH_LIBRARY_IMPL(dflash, CUDA, m)``.
 
-On CUDA the default backend of an op is the fastest one measured (``DEFAULT_CUDA`` below,
-from benchmarks/results). When the chosen backend is ``cuda`` the C++ kernel serves the call
-directly (no Python on the hot path). Otherwise a Python kernel is registered over the CUDA
-dispatch key for that op and routes the call; it is removed again when ``cuda`` is chosen,
-which restores the C++ registration.
+Which kernel runs
+-----------------
+On CPU tensors: the torch reference. On CUDA tensors, each op declares where it is defined
+(``define_op(..., default=..., eager=...)``, with the measurement behind it next to it):
 
-``DFLASH_OPS_BACKEND=torch|triton|cuda`` (read at import) or ``use_backend(...)`` forces a
-backend; a forced backend that lacks an op raises at call time instead of falling back.
+* ``default``: the fastest kernel on the GPU (kernel time under CUDA-graph replay). It runs in
+  every call recorded into a CUDA graph -- ours (``capture_graph``) and a user's own
+  ``torch.cuda.graph`` alike: the router sees ``torch.cuda.is_current_stream_capturing()``.
+* ``eager`` (where given): the backend for calls that are not captured, when a lower host cost
+  beats a faster kernel there. An eager Triton call costs 65-120 us of host time (Python router,
+  argument checks, Triton's launcher) against 8-16 us for a C++ kernel; the norm, RoPE and SwiGLU
+  kernels take 1-3 us on the GPU, so eager calls of those ops run the C++ kernel.
+
+Where the chosen kernel is absent (no CUDA extension built, or triton not installed), the other
+compiled backend runs, then torch. ``resolve(op, device, graph=)`` answers for either kind of call.
+
+``models.linear`` picks cuBLAS or the Triton GEMM per shape from its measured table
+(``models/linear_table.json``): the same rule, for the linears of the models.
+
+``DFLASH_OPS_BACKEND=torch|triton|cuda`` (read at import), ``set_backend(...)`` (process-wide)
+or ``use_backend(...)`` (a block) forces a backend; a forced backend that lacks an op raises
+``BackendUnavailableError`` at call time instead of falling back.
+
+How: the C++ extension registers each kernel twice (csrc/register.h): on the CUDA key of
+``torch.ops.dflash.<op>`` and as ``torch.ops.dflash_cuda.<op>``, the same kernel under its own
+name. When an op runs C++ in both kinds of call, that kernel sits on the CUDA key and the
+dispatcher calls it with no Python in between. Otherwise a Python router is registered over it
+(in its own ``torch.library.Library``); it picks the backend per call and reaches the C++ kernel
+through ``dflash_cuda``. Dropping the router's Library brings the C++ kernel back.
 """
 from __future__ import annotations
 
@@ -29,45 +51,17 @@ import torch
 
 BACKENDS = ("torch", "triton", "cuda")
 NAMESPACE = "dflash"
-
-# Default backend per op on CUDA tensors, from benchmarks/results (H200, 2026-11-29). Two
-# regimes, because the Triton kernels are the faster kernels while an eager Triton call costs
-# 65-120 us of host time (Python router + launcher) against 8-16 us for a C++ kernel that the
-# dispatcher calls directly (results/norm.md, context_kv-Qwen3-8B.md, "host overhead" tables):
-# * DEFAULT_CUDA (eager): the fastest per call including the host, i.e. the C++ kernels;
-# * GRAPH_CUDA: the fastest kernel under CUDA-graph replay, where host time is gone; used inside
-#   ``graph_backends()`` (wrap CUDA-graph capture in it). K-norm rms_norm [T,40,128]: triton
-#   1.36 vs 1.61 us at T=1, 80.5 vs 82.7 us at T=16384; knorm_rope_ / qk_norm_rope_: triton 1.6
-#   vs 3.0 us at T=1, 95.8 vs 119.8 us at T=16384; store_kv_: a tie at T >= 4096, cuda 1.8 vs
-#   2.0 us at T=1. rope_ shares the qk_norm_rope_ kernels (not benchmarked alone).
-# Ops absent from a table prefer cuda, then triton, then torch.
-DEFAULT_CUDA: Dict[str, str] = {
-    "rms_norm": "cuda", "fused_add_rms_norm_": "cuda", "rope_": "cuda", "qk_norm_rope_": "cuda",
-    "knorm_rope_": "cuda", "store_kv_": "cuda",
-    # cuBLAS (+ the C++ epilogue): host cost of one C++ call; Triton's kv_proj is at best even
-    "kv_proj": "cuda", "context_kv_": "cuda",
-    # the CUDA kernel: 1.5-1.6x faster than the Triton one at every benchmarked shape
-    # (results/attention-*-paged.md); the torch reference gathers K/V per query row
-    "block_attention": "cuda", "block_attention_out_": "cuda",
-    # not benchmarked yet: memory-bound elementwise, the same choice as rms_norm
-    "silu_mul": "cuda"}
-GRAPH_CUDA: Dict[str, str] = {
-    "rms_norm": "triton", "fused_add_rms_norm_": "triton", "rope_": "triton",
-    "qk_norm_rope_": "triton", "knorm_rope_": "triton", "store_kv_": "cuda",
-    # kv_proj: cuBLAS ties or beats the Triton GEMM at every T but 4096 (sweep_context.py)
-    "kv_proj": "cuda", "context_kv_": "cuda",
-    "block_attention": "cuda", "block_attention_out_": "cuda",
-    "silu_mul": "triton"}  # not benchmarked yet: rms_norm's choice
-_PREFERENCE = ("cuda", "triton", "torch")
+CUDA_NAMESPACE = "dflash_cuda"  # the C++ kernels under their own names (module docstring)
 
 _lib = torch.library.Library(NAMESPACE, "DEF")
+_cuda_lib = torch.library.Library(CUDA_NAMESPACE, "DEF")
 _OPS: Dict[str, "OpInfo"] = {}
 _force_stack: list = []  # use_backend() blocks, innermost last
 _global_force: Dict[Optional[str], str] = {}  # op name (None = all ops) -> backend
-_override_libs: Dict[str, torch.library.Library] = {}
-_cuda_cpp_ops: set = set()  # ops whose CUDA key holds a C++ kernel from dflash_ops._C
+_override_libs: Dict[str, torch.library.Library] = {}  # op -> the Library of its CUDA router
+_cuda_cpp_ops: set = set()  # ops with a C++ kernel from dflash_ops._C
 _sync_lock = threading.RLock()
-_graph_mode: list = []  # one entry per open graph_backends() block
+_warmups: list = []  # one entry per capture_graph warm-up in progress
 
 
 class BackendUnavailableError(RuntimeError):
@@ -75,28 +69,64 @@ class BackendUnavailableError(RuntimeError):
 
 
 class OpInfo:
-    def __init__(self, name: str, validate: Callable, debug_check: Optional[Callable]):
-        self.name = name
+    """An op: its schema's arguments, checks, default backend and Python kernels."""
+
+    def __init__(self, schema: str, validate: Callable, debug_check: Optional[Callable],
+                 default: str, eager: Optional[str] = None):
+        self.schema = schema
+        self.name = schema.split("(", 1)[0].strip()
         self.validate = validate
         self.debug_check = debug_check
+        self.default = default
+        self.eager = eager
         self.impls: Dict[str, Callable] = {}
+        # "Tensor(a!)[] k_caches", "*", "bool causal=False": (name, keyword-only, written)
+        self.args = []
+        kw_only = False
+        for decl in schema[len(self.name) + 1:schema.rindex(") ->")].split(","):
+            decl = decl.strip()
+            if decl == "*":
+                kw_only = True
+                continue
+            typ, name = decl.split("=", 1)[0].rsplit(None, 1)
+            self.args.append((name, kw_only, "!" in typ))
 
     @property
     def qualname(self) -> str:
         return f"{NAMESPACE}::{self.name}"
 
+    @property
+    def written(self) -> list:
+        """The arguments the op writes (``(a!)`` in the schema)."""
+        return [n for n, _, w in self.args if w]
+
+    def call_args(self, case: dict) -> tuple:
+        """(args, kwargs) for the op from {argument name: value}: positional arguments in
+        schema order, keyword-only ones by name."""
+        return (tuple(case[n] for n, kw, _ in self.args if not kw and n in case),
+                {n: case[n] for n, kw, _ in self.args if kw and n in case})
+
 
 def define_op(schema: str, *, validate: Callable, reference: Callable, fake: Callable,
+              default: str, eager: Optional[str] = None,
               debug_check: Optional[Callable] = None) -> OpInfo:
     """Define ``torch.ops.dflash.<name>`` from its schema with its reference and fake kernel.
 
-    ``validate(*args)`` raises ValueError/RuntimeError naming the bad argument; it runs before
-    every Python backend and inside the fake kernel. ``debug_check(*args)`` checks values that
-    live on the device (slots, positions) and runs only with ``DFLASH_OPS_DEBUG=1``.
+    ``default`` (``"triton"`` or ``"cuda"``) is the backend CUDA tensors run with, the fastest
+    kernel; ``eager`` (optional, the same choices) the one for calls outside CUDA-graph capture
+    where it differs (module docstring). ``validate(
+    *args)`` raises ValueError/RuntimeError naming the bad argument; it runs before every
+    Python backend and inside the fake kernel. ``debug_check(*args)`` checks values that live
+    on the device (slots, positions) and runs only with ``DFLASH_OPS_DEBUG=1``.
     """
-    name = schema.split("(", 1)[0].strip()
+    if default not in ("triton", "cuda"):
+        raise ValueError(f"define_op: default must be 'triton' or 'cuda', got {default!r}")
+    if eager not in (None, "triton", "cuda"):
+        raise ValueError(f"define_op: eager must be None, 'triton' or 'cuda', got {eager!r}")
+    info = OpInfo(schema, validate, debug_check, default, None if eager == default else eager)
+    name = info.name
     _lib.define(schema)
-    info = OpInfo(name, validate, debug_check)
+    _cuda_lib.define(schema)  # the C++ kernel's own name, if csrc/ has one
     info.impls["torch"] = reference
     _OPS[name] = info
 
@@ -133,19 +163,24 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-class _CudaOnly(dict):
-    """A force that applies to CUDA tensors only (graph_backends)."""
+def _graph_call() -> bool:
+    """Whether a CUDA call is recorded into a graph (or is capture_graph's warm-up of one)."""
+    return bool(_warmups) or torch.cuda.is_current_stream_capturing()
 
 
-def _forced(op: str, device: str = "cuda") -> Optional[str]:
-    if _force_stack:
-        for forced in reversed(_force_stack):
-            if device != "cuda" and isinstance(forced, _CudaOnly):
-                continue
-            if op in forced:
-                return forced[op]
-            if None in forced:
-                return forced[None]
+def in_graph_call() -> bool:
+    """Whether calls made now are recorded into a CUDA graph (or are ``capture_graph``'s
+    warm-up of one): code choosing kernels outside the op table (``models.linear``) follows
+    the same rule as the ops."""
+    return bool(_warmups) or _capturing()
+
+
+def _forced(op: str) -> Optional[str]:
+    for forced in reversed(_force_stack):
+        if op in forced:
+            return forced[op]
+        if None in forced:
+            return forced[None]
     if op in _global_force:
         return _global_force[op]
     return _global_force.get(None)
@@ -161,22 +196,30 @@ def available_backends(op: str) -> list:
     return [b for b in BACKENDS if has_backend(op, b)]
 
 
-def resolve(op: str, device: str = "cuda") -> str:
-    """The backend a call of ``op`` on ``device`` (a device or its type) runs with."""
+def runnable_backends(op: str, device: str) -> list:
+    """The backends that can run ``op`` on tensors of this device type now: torch always; on
+    CPU triton only under TRITON_INTERPRET=1; on CUDA every registered one."""
+    return [b for b in available_backends(op)
+            if b == "torch" or device == "cuda" or (b == "triton" and _interpret())]
+
+
+def resolve(op: str, device: str = "cuda", graph: bool = False) -> str:
+    """The backend a call of ``op`` on ``device`` (a device or its type) runs with: an eager
+    call, or (``graph=True``) one recorded into a CUDA graph."""
     if op not in _OPS:
         raise ValueError(f"unknown op {op!r}; ops are {sorted(_OPS)}")
-    return _resolve(op, torch.device(device).type)
+    return _resolve(op, torch.device(device).type, graph)
 
 
-def _resolve(op: str, device: str) -> str:
-    forced = _forced(op, device)
+def _resolve(op: str, device: str, graph: bool = False) -> str:
+    forced = _forced(op)
     if forced is not None:
         return forced
     if device != "cuda":
         return "torch"
-    preferred = DEFAULT_CUDA.get(op)
-    order = ((preferred,) if preferred else ()) + _PREFERENCE
-    for b in order:
+    info = _OPS[op]
+    first = info.default if graph or info.eager is None else info.eager
+    for b in (first, "cuda" if first == "triton" else "triton"):
         if has_backend(op, b):
             return b
     return "torch"
@@ -186,18 +229,24 @@ def _make_router(info: OpInfo, device: str) -> Callable:
     """The Python kernel registered for a dispatch key: validate, then run the chosen backend."""
     name = info.name
 
+    cpp = []  # torch.ops.dflash_cuda.<name>, looked up on first use
+
     def router(*args, **kwargs):
-        backend = _resolve(name, device)
+        backend = _resolve(name, device, device == "cuda" and _graph_call())
+        if backend == "cuda" and device == "cuda" and name in _cuda_cpp_ops:
+            if info.debug_check is not None and _debug() and not _capturing():
+                info.debug_check(*args, **kwargs)
+            if not cpp:
+                cpp.append(getattr(getattr(torch.ops, CUDA_NAMESPACE), name).default)
+            return cpp[0](*args, **kwargs)  # the C++ launcher checks its arguments
         fn = info.impls.get(backend)
         if fn is None or (backend == "triton" and device == "cpu" and not _interpret()):
-            if backend == "cuda" and device == "cuda" and name in _cuda_cpp_ops:
-                raise BackendUnavailableError(  # should not happen: sync() removes the router
-                    f"dflash.{name}: the cuda kernel is shadowed; call dflash_ops.dispatch.sync()")
             where = "CPU tensors (set TRITON_INTERPRET=1 before importing triton)" \
                 if backend == "triton" else f"{device.upper()} tensors"
             raise BackendUnavailableError(
                 f"dflash.{name}: backend {backend!r} was forced but has no kernel for this op on "
-                f"{where}; available: {available_backends(name)}")
+                f"{where}; available on {device.upper()} tensors: "
+                f"{runnable_backends(name, device)}")
         info.validate(*args, **kwargs)
         if info.debug_check is not None and _debug() and not _capturing():
             info.debug_check(*args, **kwargs)  # reads values back: not during graph capture
@@ -208,15 +257,16 @@ def _make_router(info: OpInfo, device: str) -> Callable:
 
 
 def sync() -> None:
-    """Make each op's CUDA dispatch-key registration match its resolved backend."""
+    """Make each op's CUDA dispatch-key registration match its resolved backends: the C++
+    kernel when eager and captured calls both run it, else the Python router."""
     with _sync_lock:
         for name, info in _OPS.items():
-            want_cpp = _resolve(name, "cuda") == "cuda" and name in _cuda_cpp_ops
-            lib = _override_libs.get(name)
-            if want_cpp and lib is not None:
-                lib._destroy()
+            want_cpp = (name in _cuda_cpp_ops and _resolve(name, "cuda", False) == "cuda"
+                        and _resolve(name, "cuda", True) == "cuda")
+            if want_cpp and name in _override_libs:
+                # a Library's registrations end with it: the C++ kernel serves the key again
                 del _override_libs[name]
-            elif not want_cpp and lib is None:
+            elif not want_cpp and name not in _override_libs:
                 lib = torch.library.Library(NAMESPACE, "IMPL")
                 with warnings.catch_warnings():
                     # "Overriding a previously registered kernel" when a C++ kernel is shadowed.
@@ -226,12 +276,11 @@ def sync() -> None:
 
 
 def note_cuda_extension_loaded() -> None:
-    """Record which ops the C++ extension registered for CUDA (before Python shadows any)."""
+    """Record which ops the C++ extension registered a CUDA kernel for."""
     with _sync_lock:
+        cuda_ops = getattr(torch.ops, CUDA_NAMESPACE)
         for name in _OPS:
-            if name in _override_libs:
-                continue
-            if torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::{name}", "CUDA"):
+            if getattr(cuda_ops, name).default.has_kernel_for_dispatch_key("CUDA"):
                 _cuda_cpp_ops.add(name)
         sync()
 
@@ -259,12 +308,7 @@ def use_backend(backend: str, ops: Optional[Iterable[str]] = None):
     The force is process-wide (the dispatcher's CUDA registration is), so do not open
     blocks from several threads at once.
     """
-    with _pushed({n: _check_backend(backend) for n in _check_ops(ops)}):
-        yield
-
-
-@contextlib.contextmanager
-def _pushed(forced: dict):
+    forced = {n: _check_backend(backend) for n in _check_ops(ops)}
     with _sync_lock:
         _force_stack.append(forced)
         sync()
@@ -279,43 +323,6 @@ def _pushed(forced: dict):
             sync()
 
 
-@contextlib.contextmanager
-def graph_backends():
-    """Inside the block each op runs its fastest backend under CUDA-graph replay (GRAPH_CUDA),
-    where one is available; wrap CUDA-graph warm-up and capture in it. Process-wide like
-    use_backend; an explicit use_backend/set_backend opened inside it still wins."""
-    with _pushed(_CudaOnly((op, b) for op, b in GRAPH_CUDA.items()
-                           if op in _OPS and has_backend(op, b))):
-        _graph_mode.append(True)
-        try:
-            yield
-        finally:
-            _graph_mode.pop()
-
-
-def capture_graph(fn: Callable, device=None):
-    """(graph, fn's outputs): ``fn()`` run once on a side stream (compiles, autotunes, fills
-    caches), then recorded in a CUDA graph, both inside ``graph_backends()`` on ``device``
-    (default: the current one). The warm-up runs for real: its writes are the ones a replay
-    repeats."""
-    with graph_backends(), torch.cuda.device(device):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = fn()
-    return g, out
-
-
-def in_graph_backends() -> bool:
-    """Whether a ``graph_backends()`` block is open (code choosing kernels outside the op
-    tables, e.g. ``models.linear``, follows it)."""
-    return bool(_graph_mode)
-
-
 def set_backend(backend: Optional[str], ops: Optional[Iterable[str]] = None) -> None:
     """Force ``backend`` process-wide for ``ops`` (default all); ``None`` clears the force."""
     names = _check_ops(ops)
@@ -325,6 +332,28 @@ def set_backend(backend: Optional[str], ops: Optional[Iterable[str]] = None) -> 
         else:
             _global_force[n] = _check_backend(backend)
     sync()
+
+
+def capture_graph(fn: Callable, device=None):
+    """(graph, fn's outputs): ``fn()`` run once on a side stream with the kernels a captured
+    call runs (compiles, autotunes, fills caches), then recorded in a CUDA graph, on ``device``
+    (default: the current one). The warm-up runs for real: its writes are the ones a replay
+    repeats. A graph captured without this helper gets the same kernels; its warm-up then
+    compiles the eager ones, and the first capture compiles the graph ones."""
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        _warmups.append(True)
+        try:
+            with torch.cuda.stream(side):
+                fn()
+        finally:
+            _warmups.pop()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = fn()
+    return g, out
 
 
 def _init_from_env() -> None:

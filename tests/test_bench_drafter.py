@@ -42,12 +42,12 @@ def test_step_cost_hand_count():
     assert c["total_flops"] == pytest.approx(sum(flops.values()))
 
 
-def test_qwen3_8b_floor_is_the_issue_size():
+def test_qwen3_8b_floor_is_the_expected_size():
     cfg = bd.drafter_config()
     assert (cfg.num_layers, cfg.hidden_size, cfg.vocab_size, cfg.block_size, cfg.n_taps) == \
         (5, 4096, 151936, 16, 5)
     c = bd.step_cost(cfg, 1, 1024)
-    # weights + LM head ~3.43 GB: ~0.8 ms at ~4.3 TB/s (the issue: ~0.77 ms)
+    # weights + LM head ~3.43 GB: ~0.8 ms at ~4.3 TB/s (the target: ~0.77 ms)
     assert 3.40e9 < bd.weight_bytes(c) < 3.45e9
     assert c["bytes"]["K/V read"] == 1024 * 5 * 2 * 8 * 128 * 2
     floor = bd.floor_us({"copy_GBps": 4300.0, "gemm_TFLOPs": 700.0}, c["total_bytes"],
@@ -71,7 +71,7 @@ def test_parse_cases():
 def test_cases_env(monkeypatch):
     monkeypatch.delenv(bd.ENV_CASES, raising=False)
     assert bd.cases() == list(bd.CASES) and bd.cases(quick=True) == list(bd.QUICK_CASES)
-    assert {(1, 1024), (64, 4096), (1, 131072)} <= set(bd.QUICK_CASES)  # the issue's targets
+    assert {(1, 1024), (64, 4096), (1, 131072)} <= set(bd.QUICK_CASES)  # the target cases
     assert {(b, s) for b in (1, 8, 32, 64) for s in (1024, 8192)} <= set(bd.CASES)
     monkeypatch.setenv(bd.ENV_CASES, "2x2048")
     assert bd.cases(quick=True) == [(2, 2048)]

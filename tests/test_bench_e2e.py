@@ -1,6 +1,7 @@
-"""The end-to-end benchmark's pure parts on the CPU (floor byte / FLOP counts against hand counts
-and against the models' own tensors, the implied speedup, case parsing, memory estimate, the
-report tables), its "needs a CUDA GPU" errors, and one GPU smoke run on tiny models."""
+"""The end-to-end benchmark's pure parts on the CPU (``bench.e2e_report``: floor byte / FLOP counts
+against hand counts and against the models' own tensors, the implied speedup, memory estimate,
+the report tables; ``bench.e2e``: case parsing), its "needs a CUDA GPU" errors, the host loop on
+the CPU, and one GPU smoke run on tiny models."""
 from __future__ import annotations
 
 import os
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from dflash_ops.bench import e2e
+from dflash_ops.bench import e2e_report as rep
 from dflash_ops.bench.harness import Results
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,7 +45,7 @@ def test_target_bytes_hand_count():
     # one layer: qkv (64 + 2*32) x 64 = 8192, o 64 x 64 = 4096, gate/up/down 3 x 128 x 64 =
     # 24576 -> 36864 matrix elements; norms 2 x 64 + q/k norm 2 x 16 = 160; 2 layers + final
     # norm 64 -> 74112 elements = 148224 bytes
-    c = e2e.target_step_cost(tiny_target_cfg(), batch=3, context=40, new=16, n_taps=2)
+    c = rep.target_step_cost(tiny_target_cfg(), batch=3, context=40, new=16, n_taps=2)
     assert c["weights"] == 148224
     assert c["lm_head"] == 2 * 300 * 64 == 38400
     # K/V a token: 2 layers x (K, V) x 2 heads x 16 = 128 elements
@@ -57,7 +59,7 @@ def test_target_bytes_hand_count():
 
 
 def test_decode_bytes_hand_count():
-    c = e2e.target_step_cost(tiny_target_cfg(), batch=2, context=100, new=1)
+    c = rep.target_step_cost(tiny_target_cfg(), batch=2, context=100, new=1)
     assert (c["weights"], c["lm_head"]) == (148224, 38400)
     assert c["kv_read"] == 2 * 2 * 100 * 128
     assert c["kv_write"] == 2 * 2 * 1 * 128
@@ -73,9 +75,9 @@ def test_target_weight_bytes_match_the_model():
         cfg = tiny_target_cfg(**kw)
         t = Target.random(cfg, seed=0, dtype=torch.bfloat16, num_blocks=2, max_requests=1,
                           max_len=32)
-        elements = t.norm.numel() + sum(w.numel() for lw in t.layers for w in lw.values()
+        elements = t.norm.numel() + sum(w.numel() for lw in t.layers for w in vars(lw).values()
                                         if isinstance(w, torch.Tensor))
-        c = e2e.target_step_cost(cfg, 1, 0, 1)
+        c = rep.target_step_cost(cfg, 1, 0, 1)
         assert c["weights"] == 2 * elements, kw
         assert c["lm_head"] == 2 * t.lm_head.numel()
 
@@ -83,7 +85,7 @@ def test_target_weight_bytes_match_the_model():
 def test_drafter_bytes_hand_count():
     # fc 64 x (2 x 64) = 8192; hidden_norm + norm 128; one layer 36864 + 160; stacked K/V weight
     # (1 layer x 2 x 2 heads x 16 = 64 rows) x 64 = 4096 -> 49440 elements = 98880 bytes
-    c = e2e.drafter_step_cost(tiny_drafter_cfg(), batch=3, context=40)
+    c = rep.drafter_step_cost(tiny_drafter_cfg(), batch=3, context=40)
     assert c["weights"] == 98880
     assert c["lm_head"] == 2 * 300 * 64
     assert c["kv_read"] == 2 * 3 * 40 * 64     # 64 K/V elements a token (1 layer)
@@ -92,7 +94,7 @@ def test_drafter_bytes_hand_count():
     assert c["flops"] == (2 * 48 * (8192 + 4096) + 2 * 48 * 36864
                           + 4 * 3 * 16 * 1 * 4 * 16 * (40 + 16) + 2 * 3 * 15 * 300 * 64)
     # fewer committed rows: only the context part shrinks
-    c8 = e2e.drafter_step_cost(tiny_drafter_cfg(), batch=3, context=40, new=8)
+    c8 = rep.drafter_step_cost(tiny_drafter_cfg(), batch=3, context=40, new=8)
     assert c8["kv_write"] == 2 * 3 * 8 * 64
     assert c["flops"] - c8["flops"] == 2 * 3 * 8 * (8192 + 4096)
 
@@ -107,61 +109,61 @@ def test_drafter_weight_bytes_match_the_model():
     d = DFlashDrafter(cfg, random_drafter_state(cfg), embed_tokens=emb, lm_head=emb,
                       num_blocks=2, max_requests=1, max_len=32)
     elements = (d.fc.numel() + d.hidden_norm.numel() + d.norm.numel() + d.w_kv.numel()
-                + sum(w.numel() for lw in d.layers for w in lw.values()
+                + sum(w.numel() for lw in d.layers for w in vars(lw).values()
                       if isinstance(w, torch.Tensor)))
-    assert e2e.drafter_step_cost(cfg, 1, 0)["weights"] == 2 * elements
+    assert rep.drafter_step_cost(cfg, 1, 0)["weights"] == 2 * elements
 
 
 def test_qwen3_8b_floors():
     """Orientation numbers of the docstring: 15.3 GB verify / 3.45 GB draft at B 1, S 1024."""
     t, d = e2e.qwen3_8b_target_config(), e2e.qwen3_8b_dflash_config()
-    v = e2e.target_step_cost(t, 1, 1024, 16, n_taps=5)
+    v = rep.target_step_cost(t, 1, 1024, 16, n_taps=5)
     assert 15.2e9 < v["bytes"] < 15.4e9
     assert v["lm_head"] == 2 * 151936 * 4096
-    assert 3.4e9 < e2e.drafter_step_cost(d, 1, 1024)["bytes"] < 3.5e9
+    assert 3.4e9 < rep.drafter_step_cost(d, 1, 1024)["bytes"] < 3.5e9
     assert d.target_layer_ids == [1, 9, 17, 25, 33]
-    fl = e2e.step_floors({"copy_GBps": 4000.0, "gemm_TFLOPs": 700.0},
-                         e2e.step_costs(t, d, 1, 1024))
+    fl = rep.step_floors({"copy_GBps": 4000.0, "gemm_TFLOPs": 700.0},
+                         rep.step_costs(t, d, 1, 1024))
     assert fl["verify"] == pytest.approx(v["bytes"] / 4e12 * 1e6)  # bytes-bound at B 1
     assert fl["draft+verify"] == fl["draft"] + fl["verify"]
-    big = e2e.step_floors({"copy_GBps": 4000.0, "gemm_TFLOPs": 700.0},
-                          e2e.step_costs(t, d, 64, 1024))
-    flops = e2e.target_step_cost(t, 64, 1024, 16, n_taps=5)["flops"]
+    big = rep.step_floors({"copy_GBps": 4000.0, "gemm_TFLOPs": 700.0},
+                          rep.step_costs(t, d, 64, 1024))
+    flops = rep.target_step_cost(t, 64, 1024, 16, n_taps=5)["flops"]
     assert big["verify"] == pytest.approx(flops / 700e12 * 1e6)   # FLOP-bound at B 64
 
 
 def test_case_memory():
     t, d = e2e.qwen3_8b_target_config(), e2e.qwen3_8b_dflash_config()
-    m = e2e.case_memory_bytes(t, d, 64, 8192)
+    m = rep.case_memory_bytes(t, d, 64, 8192)
     # 64 requests x (8192 + 32) positions + one scratch block; 147456 / 20480 bytes a token
     tokens = 64 * 8224 + 16
     assert m["target_kv"] == tokens * 36 * 2 * 8 * 128 * 2
     assert m["drafter_kv"] == tokens * 5 * 2 * 8 * 128 * 2
     assert m["target_weights"] == 2 * 8_190_735_360  # Qwen3-8B's parameter count
-    assert 100e9 < m["total"] < e2e.MEM_GB * 1e9  # every default case fits the budget
-    assert e2e.case_memory_bytes(t, d, 128, 8192)["total"] > e2e.MEM_GB * 1e9
+    assert 100e9 < m["total"] < rep.MEM_GB * 1e9  # every default case fits the budget
+    assert rep.case_memory_bytes(t, d, 128, 8192)["total"] > rep.MEM_GB * 1e9
     assert m["total"] == sum(v for k, v in m.items() if k != "total")
 
 
 # ----------------------------------------------------------------------------- speedup
 
 def test_implied_speedup():
-    assert e2e.implied_speedup(6.55, 4.0, 5.0) == pytest.approx(5.24)
-    assert e2e.implied_speedup(16, 10.0, 10.0) == 16
-    assert e2e.implied_speedup(1, 3.0, 6.0) == 0.5
+    assert rep.implied_speedup(6.55, 4.0, 5.0) == pytest.approx(5.24)
+    assert rep.implied_speedup(16, 10.0, 10.0) == 16
+    assert rep.implied_speedup(1, 3.0, 6.0) == 0.5
 
 
 def test_summary_row():
     fl = {"draft+verify": 4000.0, "decode": 3600.0}
-    r = e2e.summary_row(1, 4300.0, 3700.0, fl)
+    r = rep.summary_row(1, 4300.0, 3700.0, fl)
     assert r["iter/floor"] == pytest.approx(1.075) and r["<=1.1 (B=1)"] == "yes"
     assert r["decode/floor"] == pytest.approx(3700 / 3600) and r["<=1.1"] == "yes"
     assert r["speedup @6.55"] == pytest.approx(6.55 * 3700 / 4300)
     assert r["speedup @16"] == pytest.approx(16 * 3700 / 4300)
     assert r["paper (B200, B=1)"] == 5.2 and r["iter ms"] == 4.3
-    r = e2e.summary_row(8, 4500.0, 4000.0, fl)
+    r = rep.summary_row(8, 4500.0, 4000.0, fl)
     assert r["<=1.1 (B=1)"] == "-" and r["<=1.1"] == "NO" and r["paper (B200, B=1)"] is None
-    assert e2e.summary_row(1, 4500.0, 3700.0, fl)["<=1.1 (B=1)"] == "NO"
+    assert rep.summary_row(1, 4500.0, 3700.0, fl)["<=1.1 (B=1)"] == "NO"
 
 
 # ----------------------------------------------------------------------------- cases
@@ -189,7 +191,7 @@ def test_cases_from_env(monkeypatch):
 
 
 def test_case_label_round_trip():
-    assert e2e.parse_case_label(e2e.case_label(64, 8192)) == (64, 8192)
+    assert rep.parse_case_label(rep.case_label(64, 8192)) == (64, 8192)
 
 
 # ----------------------------------------------------------------------------- report
@@ -200,7 +202,7 @@ def _fake(us):
 
 def test_report_tables(tmp_path):
     t, d = tiny_target_cfg(), tiny_drafter_cfg()
-    res = e2e.E2EResults("e2e-test", floors={"copy_GBps": 4000.0, "gemm_TFLOPs": 700.0})
+    res = rep.E2EResults("e2e-test", floors={"copy_GBps": 4000.0, "gemm_TFLOPs": 700.0})
     m = {"batch": 1, "context": 64, "draft": _fake(10.0), "verify": _fake(30.0),
          "iteration": _fake(41.0), "decode": _fake(25.0),
          "loop": {"wall_us": 50.0, "graphs_us": 40.0, "idle_us": 10.0, "iters": 20}}
@@ -208,17 +210,17 @@ def test_report_tables(tmp_path):
                {"batch": 9, "context": 64, "mem": 2e11, "m": None, "note": "skipped: too big"}]
     loops = [{"batch": 1, "new": 32, "note": "",
               "stats": {"iterations": 31, "host syncs": 34, "syncs/iter": 34 / 31}}]
-    e2e.report(res, t, d, entries, loops)
+    rep.report(res, t, d, entries, loops)
     tabs = res.tables()
-    assert list(tabs) == [e2e.SUMMARY, e2e._steps_title(64), e2e.HOST, e2e.TERMS, e2e.REAL]
-    summ = tabs[e2e.SUMMARY]
+    assert list(tabs) == [rep.SUMMARY, rep._steps_title(64), rep.HOST, rep.TERMS, rep.REAL]
+    summ = tabs[rep.SUMMARY]
     assert summ[0]["speedup @6.55"] == pytest.approx(6.55 * 25 / 41)
     assert summ[1]["note"] == "skipped: too big" and "iter ms" not in summ[1]
-    steps = {r["impl"]: r for r in tabs[e2e._steps_title(64)]}
+    steps = {r["impl"]: r for r in tabs[rep._steps_title(64)]}
     assert set(steps) == {"draft", "verify", "draft+verify", "decode"}
     assert steps["draft+verify"]["floor us"] == pytest.approx(
         steps["draft"]["floor us"] + steps["verify"]["floor us"])
-    assert tabs[e2e.HOST][0]["GPU idle ms/iter"] == pytest.approx(0.01)
+    assert tabs[rep.HOST][0]["GPU idle ms/iter"] == pytest.approx(0.01)
     text = res.format()
     assert "B=9 S=64" in text and "speedup @16" in text
     paths = res.write(tmp_path)
@@ -261,11 +263,47 @@ def test_script_needs_cuda(tmp_path):
     assert not list(tmp_path.iterdir())  # nothing written
 
 
+def test_host_loop_is_the_loops_iteration(monkeypatch):
+    """host_loop runs speculative_generate's iteration (speculator.step.Iteration) on the steps:
+    on the CPU with static (uncaptured) steps, one Iteration call an iteration, each at the
+    context (the starts are reset after every iteration)."""
+    from dflash_ops.models.drafter import DFlashDrafter, random_drafter_state
+    from dflash_ops.models.target import Target
+    from dflash_ops.speculator.draft_step import DraftStep
+    from dflash_ops.speculator.step import Iteration
+    from dflash_ops.speculator.verify_step import VerifyStep
+
+    tcfg, dcfg = tiny_target_cfg(), tiny_drafter_cfg()
+    one = dict(num_blocks=1, max_requests=1, max_len=16, dtype=torch.float32)
+    target = Target.random(tcfg, seed=0, block_size=16, **one)
+    drafter = DFlashDrafter(dcfg, random_drafter_state(dcfg), embed_tokens=target.embed,
+                            lm_head=target.lm_head, cache_block_size=16, **one)
+    batch, context, b = 2, 40, dcfg.block_size
+    max_len = context + 2 * b
+    e2e.install_caches(target, drafter, batch + 1, batch * -(-max_len // 16) + 1, max_len)
+    for r in range(batch):
+        target.add_request(r, max_len)
+        drafter.cache.add_request(r, max_len)
+    dstep = DraftStep(drafter, max_batch=batch, scratch_request=batch, block_size=b,
+                      logits=False)
+    vstep = VerifyStep(target, max_batch=batch, block_size=b, scratch_request=batch,
+                       tap_layers=dcfg.target_layer_ids, logits=False)
+    starts, real = [], Iteration.__call__
+    monkeypatch.setattr(Iteration, "__call__", lambda self, state, rows: (
+        starts.append(state.start.tolist()), real(self, state, rows))[1])
+    pending = (torch.randn(batch * b, dcfg.n_taps * dcfg.target_hidden_size), torch.arange(batch),
+               (context - b + torch.arange(b)).repeat(batch, 1))
+    with torch.no_grad():
+        wall = e2e.host_loop(target, drafter, dstep, vstep, batch, context, pending,
+                             stop_id=tcfg.vocab_size - 1, iters=2, warmup=1)
+    assert wall > 0 and starts == [[context] * batch] * 3
+
+
 def test_registered_suite():
     from dflash_ops.bench.harness import SUITES
 
     assert SUITES["e2e"][0] == "dflash_ops.bench.e2e"
-    assert isinstance(e2e.E2EResults("x"), Results)
+    assert isinstance(rep.E2EResults("x"), Results)
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -276,11 +314,11 @@ def test_bench_tiny_on_gpu(tmp_path):
     res = e2e.bench(tiny_target_cfg(), tiny_drafter_cfg(), [(1, 64), (3, 200)], quick=True,
                     name="e2e-tiny")
     tabs = res.tables()
-    summ = tabs[e2e.SUMMARY]
+    summ = tabs[rep.SUMMARY]
     assert [r["case"] for r in summ] == ["B=1 S=64", "B=3 S=200"]
     assert all(r.get("iter ms") and r.get("decode ms") and not r["note"] for r in summ), summ
-    assert all("GPU idle ms/iter" in r for r in tabs[e2e.HOST]), tabs[e2e.HOST]
-    real = tabs[e2e.REAL]
+    assert all("GPU idle ms/iter" in r for r in tabs[rep.HOST]), tabs[rep.HOST]
+    real = tabs[rep.REAL]
     assert [r["case"] for r in real] == ["B=1", "B=3"]
     for r in real:
         assert not r["note"], r

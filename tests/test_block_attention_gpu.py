@@ -1,9 +1,10 @@
-"""``block_attention`` GPU kernels against the float64 dense SDPA truth (tests/test_reference.py).
+"""``block_attention`` GPU kernels against the float64 dense SDPA truth
+(tests/test_attention_reference.py).
 
-Each GPU backend that has the op is forced in turn (passed on the H200, 2026-11-29). Cases: the interpreter test's
-grid in bf16/fp16 (every mask mode, GQA 1/4/8, D 64/128, splits 1/4/auto), D 256, a long
-request (4096 + 3 keys) next to short ones, a CUDA graph captured with one set of lengths and
-replayed with others, and a cache of more than 2^31 elements (64-bit offsets).
+Each GPU backend that has the op is forced in turn. Cases: the interpreter test's grid in
+bf16/fp16 (every mask mode, GQA 1/4/8, D 64/128, splits 1/4/auto), D 256, a long request
+(4096 + 3 keys) next to short ones, a CUDA graph captured with one set of lengths and replayed
+with others, and a cache of more than 2^31 elements (64-bit offsets).
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch
 import dflash_ops
 from dflash_ops import dispatch
 from tests import test_triton_attention_interp as interp
-from tests.test_reference import F64, assert_rule, dense_attention, paged_case
+from tests.test_attention_reference import dense_attention, paged_case
+from tests.test_reference import F64, assert_rule
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -155,32 +157,3 @@ def test_cache_past_32bit_offsets(backend):
     del kc, vc
     assert_rule(out.cpu(), dense_attention(*args, cd=F64), dense_attention(*args, cd=BF16),
                 "block_attention past 2^31")
-
-
-_STAGES3 = r"""
-import torch
-import tests.test_triton_attention_interp as interp
-import tests.test_block_attention_gpu as t
-interp.check_block_attention("cuda", dtypes=(torch.bfloat16, torch.float16), splits_list=(1, 2),
-                             backend="cuda")
-t._check("cuda", torch.bfloat16, [4096 + 3, 1, 1000, 17], [16, 1, 16, 9], 16, 2, 4, 128,
-         use_sinks=True)
-t._check("cuda", torch.bfloat16, [1, 33, 300], [1, 16, 7], 16, 2, 4, 256, causal=True)
-print("stages3-ok")
-"""
-
-
-def test_cuda_three_stage_pipeline():
-    """DFLASH_OPS_ATTN_STAGES=3 (read once per process: a subprocess): the 3-stage (K, V)
-    pipeline of the tensor-core kernel (D <= 128; D 256 keeps 2) over the grid and a long
-    request."""
-    import os
-    import subprocess
-    import sys
-
-    _need("cuda")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", _STAGES3], cwd=root, capture_output=True,
-                          text=True, timeout=900,
-                          env=dict(os.environ, DFLASH_OPS_ATTN_STAGES="3"))
-    assert proc.returncode == 0 and "stages3-ok" in proc.stdout, proc.stdout + proc.stderr[-3000:]

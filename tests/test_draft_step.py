@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_ops.models.draft_step import DraftStep
+from dflash_ops.speculator.draft_step import DraftStep
 from tests.test_speculator import _pair
 
 
@@ -107,7 +107,7 @@ def test_graph_replay_equals_eager():
 
 
 def test_padded_verify_equals_direct_forward():
-    from dflash_ops.models.verify_step import VerifyStep
+    from dflash_ops.speculator.verify_step import VerifyStep
     t_direct, _ = _pair(4, seed=31)
     t_padded, _ = _pair(4, seed=31)
     for t in (t_direct, t_padded):
@@ -135,7 +135,7 @@ def test_padded_verify_equals_direct_forward():
 @pytest.mark.gpu
 def test_verify_graph_replay_equals_eager():
     from dflash_ops.models.target import Target
-    from dflash_ops.models.verify_step import VerifyStep
+    from dflash_ops.speculator.verify_step import VerifyStep
     cpu_target, _ = _pair(4, seed=31)
 
     def build():
@@ -178,7 +178,7 @@ def test_greedy_steps_without_logits_give_the_same_tokens(multiplier, softcap):
     scale is positive and there is no soft-cap, on the scaled / capped logits otherwise."""
     import dataclasses
 
-    from dflash_ops.models.verify_step import VerifyStep
+    from dflash_ops.speculator.verify_step import VerifyStep
 
     drafters = [_fresh_pair() for _ in range(3)]
     for d in drafters:

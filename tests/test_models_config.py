@@ -272,6 +272,7 @@ ERRORS = [
     ("partial_rotary_factor", lambda: tiny_zlab(partial_rotary_factor=2.0)),
     ("hidden_size", lambda: tiny_zlab(hidden_size=0)),
     ("hidden_size", lambda: {**tiny_zlab(), "hidden_size": None}),
+    ("num_hidden_layers", lambda: tiny_zlab(num_hidden_layers="2")),
     ("intermediate_size", lambda: tiny_zlab(intermediate_size=-4)),
     ("block_size", lambda: tiny_zlab(block_size=0)),
     ("num_attention_heads", lambda: tiny_zlab(num_attention_heads=0)),
@@ -359,7 +360,7 @@ def qwen3_8b_dflash_b16() -> dict:
 
 
 def qwen38_27b_dflash2(non_causal_key="is_causal") -> dict:
-    """Qwen3.8-27B-DFlash2 per DFLASH.md's table (sliding 2048, non-causal); the exact key that
+    """Qwen3.8-27B-DFlash2 as published (sliding 2048, non-causal); the exact key that
     makes it non-causal is not known here, so both spellings are tested."""
     d = {
         "architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "attention_bias": False,

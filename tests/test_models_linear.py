@@ -1,5 +1,5 @@
 """models.linear: the per-shape choice between cuBLAS and the Triton GEMM (table parsing, the
-rules that keep eager and CPU calls on F.linear) and, on the GPU, the Triton path against
+rules that keep CPU and fp32 calls on F.linear) and, on the GPU, the Triton path against
 F.linear."""
 from __future__ import annotations
 
@@ -35,18 +35,17 @@ def test_parse_table_rejects_a_short_cfg():
         L.parse_table(_doc((4096, 4096, 16, CFG[:5], 20.0, 25.0)))
 
 
-def test_choice_is_cublas_on_cpu_eager_and_fp32(monkeypatch):
+def test_choice_is_the_table_on_cuda_half_else_cublas(monkeypatch):
     monkeypatch.setattr(L, "TABLE", {(64, 32): {16: tuple(CFG)}})
     cuda = torch.device("cuda")
-    assert L.choice(16, 64, 32, torch.bfloat16, cuda) is None  # eager: no graph_backends()
-    with dispatch.graph_backends():
-        assert dispatch.in_graph_backends()
-        assert L.choice(16, 64, 32, torch.bfloat16, cuda) == tuple(CFG)
-        assert L.choice(9, 64, 32, torch.bfloat16, cuda) == tuple(CFG)  # bucket 16
-        assert L.choice(17, 64, 32, torch.bfloat16, cuda) is None  # bucket 32: not in table
-        assert L.choice(16, 64, 32, torch.float32, cuda) is None
-        assert L.choice(16, 64, 32, torch.bfloat16, torch.device("cpu")) is None
-    assert not dispatch.in_graph_backends()
+    assert L.choice(16, 64, 32, torch.bfloat16, cuda, graph=True) == tuple(CFG)
+    assert L.choice(16, 64, 32, torch.float16, cuda, graph=True) == tuple(CFG)
+    assert L.choice(9, 64, 32, torch.bfloat16, cuda, graph=True) == tuple(CFG)  # bucket 16
+    assert L.choice(17, 64, 32, torch.bfloat16, cuda, graph=True) is None  # bucket 32: absent
+    assert L.choice(16, 32, 64, torch.bfloat16, cuda, graph=True) is None  # (N, K) not in table
+    assert L.choice(16, 64, 32, torch.float32, cuda, graph=True) is None
+    assert L.choice(16, 64, 32, torch.bfloat16, torch.device("cpu"), graph=True) is None
+    assert L.choice(16, 64, 32, torch.bfloat16, cuda, graph=False) is None  # eager: cuBLAS
 
 
 def test_linear_on_cpu_is_f_linear():
@@ -88,8 +87,10 @@ def test_triton_path_matches_f_linear_gpu(monkeypatch, m):
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     want = F.linear(x.float(), w.float(), b.float())
-    with dispatch.graph_backends():
-        assert L.choice(m, n, k, x.dtype, x.device) == cfg
-        got = L.linear(x, w, b)
+    assert L.choice(m, n, k, x.dtype, x.device, graph=True) == cfg
+    assert L.choice(m, n, k, x.dtype, x.device) is None  # eager: cuBLAS
+    g, got = dispatch.capture_graph(lambda: L.linear(x, w, b))
+    g.replay()
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(L.linear(x, w, b).float(), want, atol=3e-2, rtol=2e-2)

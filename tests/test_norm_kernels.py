@@ -2,7 +2,7 @@
 
 GPU tests run every backend over a shape grid (1-D and per-group 2-D weights, strided rows,
 odd D, hidden sizes); the Triton kernel also runs on CPU under TRITON_INTERPRET=1 (fp16/fp32).
-Tolerance (DESIGN.md): error vs an fp32 reference <= 2x the error of the same math in PyTorch in
+Tolerance: error vs an fp32 reference <= 2x the error of the same math in PyTorch in
 the test dtype, plus a small atol.
 """
 

@@ -131,7 +131,7 @@ def test_auto_steps_fall_back_to_direct_without_room(monkeypatch):
             raise RuntimeError("PagedKVCache.add_request: 1 blocks needed, 0 free")
 
     monkeypatch.setattr(loop, "_graphs_available", lambda dev: True)
-    monkeypatch.setattr("dflash_ops.models.draft_step.DraftStep", Refuse)
+    monkeypatch.setattr(loop, "DraftStep", Refuse)
     prompts = _prompts(2, seed=2)
     # no spare slot (max_requests == batch): direct, the steps never constructed
     target, drafter = _pair(4, seed=1, max_requests=2)
@@ -147,7 +147,7 @@ def test_auto_steps_fall_back_to_direct_without_room(monkeypatch):
     # drafter's slot is given back
     monkeypatch.undo()
     monkeypatch.setattr(loop, "_graphs_available", lambda dev: True)
-    monkeypatch.setattr("dflash_ops.models.verify_step.VerifyStep", Refuse)
+    monkeypatch.setattr(loop, "VerifyStep", Refuse)
     target, drafter = _pair(4, seed=1, max_requests=3)
     got, stats = speculative_generate(target, drafter, prompts, 5)
     assert stats.steps == "direct" and len(calls) == 2
@@ -274,7 +274,7 @@ def _small_vocab_pair(vocab=4, block_size=4, requests=16, device="cpu"):
 
 def _exact_joint(target, prompt, n, temperature, top_k):
     """P(first n new tokens) of plain sampling from the target, by enumeration."""
-    from dflash_ops.speculator.loop import probs_from_logits
+    from dflash_ops.speculator.step import probs_from_logits
     vocab = target.cfg.vocab_size
     joint = {}
 
@@ -339,7 +339,7 @@ def test_sampling_matches_target_distribution(top_k, device):
 
 
 def test_commit_block_cases():
-    from dflash_ops.speculator.accept import commit_block
+    from dflash_ops.ops.loop import commit_block
     block = torch.tensor([[9, 1, 2, 3], [9, 4, 5, 6], [9, 7, 8, 1], [9, 2, 2, 2]])
     post = torch.tensor([[1, 2, 5, 0], [0, 0, 0, 0], [7, 8, 1, 4], [2, 2, 2, 3]])
     match = torch.tensor([2, 0, 3, 3])  # accepted drafts per request

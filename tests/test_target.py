@@ -4,7 +4,7 @@ LlamaForCausalLM given the same random weights, on CPU in fp32 with the torch ba
 Two ragged requests in non-consecutive cache slots (block size 4, so they span several blocks):
 a prefill, then decode / verify chunks of 1 and 4 tokens in one forward; logits at every new
 position equal HF's full-sequence logits, and taps equal HF ``hidden_states[i + 1]``. Also: tied
-embeddings and attention biases, rollback of rejected verify tokens, loading HF checkpoints
+embeddings and attention biases, rejected verify tokens left in the cache, loading HF checkpoints
 (``save_pretrained``, single and sharded safetensors), and config / weight errors that name the
 field or the tensors.
 """
@@ -119,9 +119,9 @@ def test_last_layer_tap_is_before_the_final_norm():
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "llama"])
-def test_rollback_of_rejected_verify_tokens(model_type):
-    """Verify 4 tokens, keep 2: the next forward (overwriting positions 2.. of the block) gives
-    the logits and taps of a fresh run that never saw the rejected tokens."""
+def test_rejected_verify_tokens_are_never_seen(model_type):
+    """Verify 4 tokens, keep 2: the next forward at position 8 (overwriting positions 8.. of the
+    block) gives the logits and taps of a fresh run that never saw the rejected tokens."""
     d = _hf_dict(model_type)
     cfg = TargetConfig.from_hf(d)
     a = Target.random(cfg, seed=7, dtype=torch.float32, **CACHE)
@@ -131,8 +131,7 @@ def test_rollback_of_rejected_verify_tokens(model_type):
     nxt = torch.randint(0, VOCAB, (3,))
     a.add_request(3)
     a.forward(prompt, [3], [0], [6])
-    a.forward(block, [3], [6], [4])          # verify [d1..d4]
-    a.rollback([3], [8])                     # keep d1, d2
+    a.forward(block, [3], [6], [4])          # verify [d1..d4], keep d1, d2
     got, got_taps = a.forward(nxt, [3], [8], [3], [0, 1])
 
     b.add_request(1)
@@ -214,6 +213,7 @@ def test_from_pretrained_sharded(tmp_path):
      ["rope_theta", "disagree"]),
     (dict(partial_rotary_factor=0.5), NotImplementedError, ["partial_rotary_factor"]),
     (dict(hidden_act="gelu"), NotImplementedError, ["hidden_act", "gelu"]),
+    (dict(mlp_bias=True), NotImplementedError, ["mlp_bias"]),
     (dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), NotImplementedError,
      ["use_sliding_window", "[1, 2]"]),
 ])

@@ -1,5 +1,5 @@
 """The Triton ``block_attention`` kernels on CPU under TRITON_INTERPRET=1 against the float64 dense
-SDPA truth of tests/test_reference.py (fp32: close to it; fp16: the DESIGN.md rule, at most 2x
+SDPA truth of tests/test_attention_reference.py (fp32: close to it; fp16: the 2x rule, at most 2x
 the error of the dense computation done in fp16).
 
 Cases: every mask mode of ATTN_MODES (non-causal, causal, windows both ways, sinks), GQA 1/4/8,
@@ -19,8 +19,9 @@ import torch
 
 from tests.conftest import run_interpreted
 
-from tests.test_reference import (ATTN_MODES, F64, SEQ_LENS, assert_fp32_close, assert_rule,
-                                  dense_attention, paged_case)
+from tests.test_attention_reference import (ATTN_MODES, SEQ_LENS, dense_attention,
+                                            paged_case)
+from tests.test_reference import F64, assert_fp32_close, assert_rule
 
 INTERP_DTYPES = (torch.float16, torch.float32)
 
@@ -34,7 +35,7 @@ def run_case(device, dtype, bs, ratio, d, mode, splits, gen_seed, hkv=2, extra_r
     """backend "triton" calls the Triton kernel with ``splits``; another name goes through the
     dispatcher with that backend forced (its own split choice; ``splits`` is ignored).
     head_major: the caches hold the same values stored [num_blocks, Hkv, block_size, D] and
-    are passed as the [num_blocks, block_size, Hkv, D] view (models' DFLASH_OPS_KV_LAYOUT=head)."""
+    are passed as the [num_blocks, block_size, Hkv, D] view."""
     torch.manual_seed(gen_seed)
     causal, window, use_sinks = ATTN_MODES[mode]
     q_lens = [1] + [int(torch.randint(1, 9, ()).item()) for _ in SEQ_LENS[1:]]

@@ -3,7 +3,7 @@ TRITON_INTERPRET=1 against the PyTorch reference (the default backend on CPU).
 
 TRITON_INTERPRET must be set before triton is imported, so each test runs its checks in a
 subprocess (repo root as cwd, no CUDA). fp16/fp32 only (bf16 is wrong in the interpreter).
-Tolerance (DESIGN.md): a kernel's max error against an fp32 reference is at most 2x the error of
+Tolerance: a kernel's max error against an fp32 reference is at most 2x the error of
 the reference run in the test dtype, plus a small atol; store_kv_ must be exact, and every element
 outside what an op may write (the V part of a fused QKV buffer, kv[:, :, 1], untouched cache
 slots) must keep its random value.

@@ -3,13 +3,13 @@ against the PyTorch reference (the default backend on CPU).
 
 TRITON_INTERPRET must be set before triton is imported, so each test runs its checks in a
 subprocess (repo root as cwd, no CUDA). fp16/fp32 only (tl.dot on bf16 is wrong in the
-interpreter). Tolerance (DESIGN.md): max error against an fp32 reference at most 2x the error of
+interpreter). Tolerance: max error against an fp32 reference at most 2x the error of
 the reference run in the test dtype, plus a small atol. For ``context_kv_`` whole cache buffers
 are compared: every element no valid token's slot maps to keeps its random value bit for bit,
 the V rows equal the fp32 GEMM rounded to the dtype up to one rounding step (the Triton GEMM
 sums in another order), the K rows pass the tolerance rule.
 
-The ``check_*`` functions take a device and dtypes, so tests/test_context_kv_gpu.py reuses them.
+The ``check_*`` functions take a device and dtypes, so tests/test_context_kernels.py reuses them.
 """
 
 import pytest
@@ -175,15 +175,14 @@ CONTEXT_CASES = [
 
 def check_context_variants(device, dtypes=(torch.float16,)):
     """The Triton launch variants the default configs may not reach at small sizes: pointer
-    loads vs TMA, hidden_norm folded vs a first pass, the split path (kv_proj, then the
-    epilogue alone) vs one fused kernel, each on a few cases."""
+    loads vs TMA, the split path (kv_proj, then the epilogue alone) vs one fused kernel, each on
+    a few cases."""
     from dflash_ops.triton import context as tc
     gen = torch.Generator().manual_seed(14)
     for dtype in dtypes:
-        for tma, fold, split in ((False, False, False), (False, True, True),
-                                 (True, False, True), (True, True, False)):
+        for tma, split in ((False, False), (False, True), (True, True), (True, False)):
             for (t, h, n_layers, hkv, d, r, neox, layout, bias, hn) in CONTEXT_CASES[1:4]:
-                cfg = tc.context_config(t, d, 2)._replace(tma=tma, fold=fold, split=split)
+                cfg = tc.context_config(t, d, 2)._replace(tma=tma, split=split)
 
                 def impl(*a, cfg=cfg):
                     tc.context_kv_(*a, cfg=cfg)

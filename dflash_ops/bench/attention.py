@@ -66,48 +66,38 @@ median), events where capture fails (said in the note). Inputs rotate over sets 
 L2 only where one set's K/V is below that (B=1 S=1024; the masks table, whose window modes
 read ~35 MB); larger K/V stream from HBM anyway and use one set.
 
-Environment: ``DFLASH_OPS_BENCH_ATTN_CASES`` (comma-separated ``BxS``, S a multiple of 16; e.g.
-``1x131072,128x8192``) replaces the shapes of the paged table, ``DFLASH_OPS_BENCH_ATTN_TABLES``
-(``paged``, ``masks``) picks tables, ``DFLASH_OPS_BENCH_ATTN_FLEX=0`` drops the Flex columns (the
-compiles are most of the run time), ``DFLASH_OPS_BENCH_ATTN_HEAD_MAJOR=0`` drops the layout-test
-column (our CUDA kernel on head-major copies of the caches, +4.3 GB at (128, 8192)). A
-restricted run writes ``attention-<...>.md/json/png`` so
-it never overwrites a full run's files. ``benchmarks/bench_attention.py --cases --tables
---no-flex`` set them.
+Options (``dflash-ops bench attention ...`` or ``benchmarks/bench_attention.py``): ``--cases``
+(comma-separated ``BxS``, S a multiple of 16; e.g. ``1x131072,128x8192``) replaces the shapes of
+the paged table, ``--tables`` (``paged``, ``masks``) picks tables, ``--no-flex`` drops the Flex
+columns (the compiles are most of the run time). A restricted run (``--cases`` or ``--tables``)
+writes ``attention-<cases>-<tables>.md/json/png``, so it never overwrites a full run's files.
 
-Run time on the H200 (measured 2026-11-29: the paged table, 5 shapes, no Flex, ~40 s; the full
-run with Flex, warm, 106 s): floors ~5 s; per shape ~1 s of inputs and reference, the Triton JIT of our kernel (a few s per new SPLITS / mode), ~1-3 s of timing per
-column (10 columns + the floor; (128, 8192) moves 4.3 GB a call, ~1 ms at the floor, slower
-columns up to ~10 ms a call x 32 a graph), and two Flex compiles (Inductor's flex decoding
-template), guessed at 15-40 s each in a cold cache: ~1-1.5 minutes a shape. Full run (7 shapes
-+ the masks table's 4 modes, each one more Flex compile) ~10-15 minutes cold, ~5 minutes with a
-warm Inductor cache; ``--quick`` (4 shapes + masks, shorter timing) ~6-9 minutes cold.
-``DFLASH_OPS_BENCH_ATTN_FLEX=0`` cuts about two thirds; under a per-job time limit, run the
-tables / shapes in parts (``DFLASH_OPS_BENCH_ATTN_TABLES`` / ``_CASES``). Memory: at most ~15
-GB at (128, 8192) (paged K/V 4.3 GB, their contiguous copy 4.3 GB, the transient of the gather,
-a 4 GB reference chunk, graph outputs).
+Run time on the H200: the paged table, 5 shapes, no Flex, ~40 s; the full run with Flex and a
+warm Inductor cache ~2 minutes. Per shape ~1 s of inputs and reference, the Triton JIT of our
+kernel (a few s per new split count / mode), ~1-3 s of timing per column ((128, 8192) moves 4.3
+GB a call, ~1 ms at the floor, slower columns up to ~10 ms a call x 32 a graph), and two Flex
+compiles (Inductor's flex decoding template), 15-40 s each in a cold cache. Full run cold ~10-15
+minutes, ``--quick`` (4 shapes + masks, shorter timing) ~6-9 minutes cold; ``--no-flex`` cuts
+about two thirds; under a per-job time limit, run the tables / shapes in parts. Memory: at most
+~15 GB at (128, 8192) (paged K/V 4.3 GB, their contiguous copy 4.3 GB, the transient of the
+gather, a 4 GB reference chunk, graph outputs).
 """
 from __future__ import annotations
 
-import contextlib
-import os
+import argparse
 import sys
 import time
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 from .. import dispatch
-from ..ops.attention import block_attention_ref
-from .columns import BF16_ULP, Impl, compile_static, forced, measure, msg
-from .harness import Results, floor_us, l2_bytes, measure_floors, rotating
+from .attention_columns import (BF16, BLOCK_SIZE, D, DEVICE, G, HKV, HQ, OP, QLEN, SDPA_BACKENDS,
+                                TOL_ULPS, Case, Col, check, flex_contiguous, flex_paged, ours,
+                                reference, sdpa, visible)
+from .columns import BF16_ULP, Impl, measure, msg
+from .harness import Results, floor_us, l2_bytes, measure_floors, name_list
 
-HQ, HKV, D = 32, 8, 128
-G = HQ // HKV
-QLEN = 16  # query tokens a request
-BLOCK_SIZE = 16
-SCALE = D ** -0.5
 CASES = ((1, 1024), (1, 32768), (1, 131072), (8, 4096), (32, 4096), (64, 1024), (128, 8192))
 QUICK_CASES = ((1, 1024), (1, 32768), (32, 4096), (128, 8192))
 MASK_CASE = (8, 4096)
@@ -115,303 +105,12 @@ WINDOW = 1024
 MODES = (("non-causal", False, -1), ("causal", True, -1), (f"window {WINDOW}", False, WINDOW),
          (f"causal + window {WINDOW}", True, WINDOW))  # (name, causal, window)
 TABLES = ("paged", "masks")
-TOL_ULPS = 2  # max |out - ref| <= TOL_ULPS bf16 ulps of max |ref|
-REF_BUDGET = 4 << 30  # bytes of one block_attention_ref call (its fp32 per-row K/V gathers)
-OP = "block_attention"
-BF16 = torch.bfloat16
-DEVICE = "cuda"
 GRAPH = True
 
 
 def _sync():
     if DEVICE == "cuda":
         torch.cuda.synchronize()
-
-
-def _rnd(*shape):
-    return torch.randn(*shape, dtype=BF16, device=DEVICE)
-
-
-# ----------------------------------------------------------------------------- inputs
-class Case:
-    """One shape: the block table, lengths and query starts shared by its input sets; each set
-    ``(q, k_cache, v_cache, q_heads, q_rows, k, v)``: q [B*16, Hq, D], the paged caches
-    [num_blocks, 16, Hkv, D], q as [B, Hq, 16, D] and as [B, Hkv, G*16, D] (GQA in q rows), and
-    the contiguous K/V [B, Hkv, S, D] gathered from the caches (for SDPA / Flex contiguous)."""
-
-    def __init__(self, b: int, s: int, rotate_bytes=None):
-        """``rotate_bytes``: the bytes a call reads from one set; None: one set, else sets
-        totalling >= 2x L2 (``harness.rotating``)."""
-        self.b, self.s, self.m = b, s, s // BLOCK_SIZE
-        self.nb = b * self.m
-        self.block_table = torch.randperm(self.nb, device=DEVICE).view(b, self.m).to(torch.int32)
-        self.seq_lens = torch.full((b,), s, dtype=torch.int32, device=DEVICE)
-        self.qsl = torch.arange(b + 1, dtype=torch.int32, device=DEVICE) * QLEN
-        self.sets = rotating(self._make_set, rotate_bytes) if rotate_bytes else [self._make_set()]
-
-    @property
-    def kv_bytes(self) -> int:
-        return 2 * self.b * self.s * HKV * D * 2
-
-    def bytes_moved(self, keys: int) -> int:
-        """K/V of ``keys`` keys a request, q and out, block table, lengths (the floor's bytes)."""
-        return (2 * self.b * keys * HKV * D * 2 + 2 * self.b * QLEN * HQ * D * 2
-                + self.block_table.numel() * 4 + (2 * self.b + 1) * 4)
-
-    def _make_set(self) -> tuple:
-        b, s = self.b, self.s
-        q = _rnd(b * QLEN, HQ, D)
-        kc, vc = _rnd(self.nb, BLOCK_SIZE, HKV, D), _rnd(self.nb, BLOCK_SIZE, HKV, D)
-        bt = self.block_table.long()
-        k, v = (c[bt].view(b, s, HKV, D).transpose(1, 2).contiguous() for c in (kc, vc))
-        return (q, kc, vc, to_heads(q, b), to_rows(q, b), k, v)
-
-
-def to_heads(q, b):
-    """q [B*16, Hq, D] -> [B, Hq, 16, D] (contiguous)."""
-    return q.view(b, QLEN, HQ, D).transpose(1, 2).contiguous()
-
-
-def from_heads(o):
-    """[B, Hq, 16, D] -> [B*16, Hq, D]."""
-    return o.transpose(1, 2).reshape(-1, HQ, D)
-
-
-def to_rows(q, b):
-    """q [B*16, Hq, D] -> [B, Hkv, G*16, D]: row g*16 + t is token t of query head kvh*G + g."""
-    return q.view(b, QLEN, HKV, G, D).permute(0, 2, 3, 1, 4).reshape(b, HKV, G * QLEN, D)
-
-
-def from_rows(o):
-    """[B, Hkv, G*16, D] -> [B*16, Hq, D] (the inverse of ``to_rows``)."""
-    b = o.shape[0]
-    return o.view(b, HKV, G, QLEN, D).permute(0, 3, 1, 2, 4).reshape(b * QLEN, HQ, D)
-
-
-def visible(s: int, causal: bool, window: int) -> torch.Tensor:
-    """[16, S] bool: key j visible to query t (position S - 16 + t), the op's rule."""
-    pos = torch.arange(s - QLEN, s, device=DEVICE)[:, None]
-    j = torch.arange(s, device=DEVICE)[None, :]
-    ok = torch.ones(QLEN, s, dtype=torch.bool, device=DEVICE)
-    if causal:
-        ok &= j <= pos
-    if window > 0:
-        dist = pos - j
-        ok &= (dist < window) if causal else (dist.abs() < window)
-    return ok
-
-
-def reference(case: Case, causal: bool = False, window: int = -1) -> torch.Tensor:
-    """``block_attention_ref`` of the first set, every row, a few requests a call (within
-    REF_BUDGET); a request too long for one call (non-causal, no window only) in runs of rows,
-    each passed as a request of its own (its queries' outputs do not depend on their positions
-    then)."""
-    q, kc, vc = case.sets[0][:3]
-    b, keys = case.b, case.m * BLOCK_SIZE
-    rows = max(1, REF_BUDGET // (16 * keys * HKV * D))  # bf16 + fp32 K and V gathers, a copy
-    out = torch.empty_like(q)
-    i32 = dict(dtype=torch.int32, device=DEVICE)
-    if rows >= QLEN or causal or window > 0:
-        n = max(1, rows // QLEN)
-        for r0 in range(0, b, n):
-            r1 = min(b, r0 + n)
-            t = slice(r0 * QLEN, r1 * QLEN)
-            out[t] = block_attention_ref(q[t], kc, vc, case.block_table[r0:r1],
-                                         case.seq_lens[r0:r1],
-                                         torch.arange(r1 - r0 + 1, **i32) * QLEN, SCALE,
-                                         causal, window)
-        return out
-    for r in range(b):
-        for t0 in range(0, QLEN, rows):
-            n = min(rows, QLEN - t0)
-            t = slice(r * QLEN + t0, r * QLEN + t0 + n)
-            out[t] = block_attention_ref(q[t], kc, vc, case.block_table[r:r + 1],
-                                         case.seq_lens[r:r + 1], torch.tensor([0, n], **i32),
-                                         SCALE)
-    return out
-
-
-def check(got, want) -> tuple:
-    """(max abs error, tolerance = TOL_ULPS bf16 ulps of max |want|)."""
-    got = got.reshape(want.shape).float()
-    err = (got - want.float()).abs().max().item()
-    return err, TOL_ULPS * BF16_ULP * want.float().abs().max().item()
-
-
-# ----------------------------------------------------------------------------- columns
-class Col:
-    """A column: ``fn(*set)`` (timed), ``unpack(fn's output)`` -> [B*16, Hq, D] (check only),
-    ``ctx()`` around both, ``missing`` why it is n/a, ``note`` what this row ran."""
-
-    def __init__(self, name, fn, unpack=None, ctx=contextlib.nullcontext, missing=None,
-                 note="", timed_note=None):
-        self.name, self.fn, self.unpack, self.ctx = name, fn, unpack or (lambda o: o), ctx
-        self.missing, self.note, self.timed_note = missing, note, timed_note
-
-
-def ours(case: Case, backend: str, causal=False, window=-1) -> Col:
-    bt, sl, qsl = case.block_table, case.seq_lens, case.qsl
-
-    def fn(q, kc, vc, *rest):
-        return torch.ops.dflash.block_attention.default(q, kc, vc, bt, sl, qsl, SCALE, causal,
-                                                        window, None)
-
-    impl = forced(OP, backend, fn, None)
-    return Col(f"ours {backend}", fn, ctx=impl.ctx, missing=impl.missing)
-
-
-def head_major(c: torch.Tensor) -> torch.Tensor:
-    """The same cache values stored [blocks, Hkv, 16, D] (each head's 16 rows one 4 KB run),
-    viewed as the op's [blocks, 16, Hkv, D] (strided)."""
-    return c.transpose(1, 2).contiguous().transpose(1, 2)
-
-
-def ours_head_major(case: Case, backend: str = "cuda") -> Col:
-    """A layout test: our kernel on head-major copies of each set's caches. In the shipped
-    layout a 64-key tile of one KV head is 64 runs of 256 bytes, 2 KB apart (the other heads'
-    rows in between, read by other CTAs at other times); here it is 4 runs of 4 KB."""
-    bt, sl, qsl = case.block_table, case.seq_lens, case.qsl
-    copies = {id(st[1]): (head_major(st[1]), head_major(st[2])) for st in case.sets}
-
-    def fn(q, kc, vc, *rest):
-        hk, hv = copies[id(kc)]
-        return torch.ops.dflash.block_attention.default(q, hk, hv, bt, sl, qsl, SCALE, False, -1,
-                                                        None)
-
-    impl = forced(OP, backend, fn, None)
-    return Col(f"ours {backend}, head-major cache", fn, ctx=impl.ctx, missing=impl.missing,
-               note="layout test: cache stored [blocks, Hkv, 16, D], same values")
-
-
-def _sdpa_api():
-    """(SDPBackend, sdpa_kernel, why missing)."""
-    try:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        return SDPBackend, sdpa_kernel, None
-    except Exception as e:  # noqa: BLE001
-        return None, None, f"torch.nn.attention unavailable ({msg(e)})"
-
-
-SDPA_BACKENDS = (("flash", "FLASH_ATTENTION"), ("cudnn", "CUDNN_ATTENTION"),
-                 ("efficient", "EFFICIENT_ATTENTION"))
-
-
-def sdpa(backend: str, layout: str, mask=None, name=None, note="") -> Col:
-    """SDPA with only ``backend``; layout ``heads`` (q [B, Hq, 16, D], enable_gqa) or ``rows``
-    (GQA in q rows); ``mask``: attn_mask (an additive tensor or a CausalBias) or None."""
-    api, ctx_fn, why = _sdpa_api()
-    ctx = (lambda: ctx_fn(getattr(api, dict(SDPA_BACKENDS)[backend]))) if api else \
-        contextlib.nullcontext
-    if layout == "heads":
-        def fn(q, kc, vc, qh, qr, k, v):
-            return F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=SCALE,
-                                                  enable_gqa=True)
-        unpack, what = from_heads, "enable_gqa"
-    else:
-        def fn(q, kc, vc, qh, qr, k, v):
-            return F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, scale=SCALE)
-        unpack, what = from_rows, "GQA in q rows"
-    return Col(name or f"sdpa {backend}, {what}", fn, unpack, ctx, missing=why, note=note)
-
-
-def _flex_api():
-    """(flex_attention compiled, BlockMask, why missing)."""
-    try:
-        from torch.nn.attention.flex_attention import BlockMask, flex_attention
-        return compile_static(flex_attention), BlockMask, None
-    except Exception as e:  # noqa: BLE001
-        return None, None, f"FlexAttention unavailable ({msg(e)})"
-
-
-def _flex_skip():
-    if os.environ.get("DFLASH_OPS_BENCH_ATTN_FLEX", "").strip() == "0":
-        return "skipped (DFLASH_OPS_BENCH_ATTN_FLEX=0)"
-    return None
-
-
-def paged_block_mask(case: Case, causal=False, window=-1):
-    """A BlockMask for q [B, Hq, 16, D] over the whole cache as [1, Hkv, num_blocks*16, D]:
-    KV blocks = the cache's 16-key blocks, one Q block (128 >= 16 rows). Request b's blocks
-    come from its block-table row, classified with the logical mask ``visible``: every (query,
-    key) pair visible -> full (the mask_mod is skipped), some -> partial (mask_mod applied),
-    none -> left out (the lists assume every request has S keys, as here). The mask_mod is
-    exact by itself: the physical block's owner and rank (its index in the owner's block-table
-    row) give the key's logical position."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    b, m, nb, s = case.b, case.m, case.nb, case.s
-    vis = visible(s, causal, window).view(QLEN, m, BLOCK_SIZE)
-    any_, all_ = vis.any(2).any(0), vis.all(2).all(0)  # [M] per logical block
-    bt = case.block_table.long()
-    i32 = dict(dtype=torch.int32, device=DEVICE)
-
-    def lists(sel):
-        idx = torch.sort(bt[:, sel], dim=1).values  # physical ids, ascending (as create_block_mask)
-        full = torch.zeros(b, 1, 1, nb, **i32)  # padded to every KV block (its layout)
-        full[..., :idx.shape[1]] = idx.view(b, 1, 1, idx.shape[1]).to(torch.int32)
-        return torch.full((b, 1, 1), idx.shape[1], **i32), full
-
-    n_part, part = lists(any_ & ~all_)
-    n_full, full = lists(all_)
-    owner = torch.full((nb,), -1, **i32)
-    rank = torch.zeros(nb, **i32)
-    owner[bt.reshape(-1)] = torch.arange(b, **i32).repeat_interleave(m)
-    rank[bt.reshape(-1)] = torch.arange(m, **i32).repeat(b)
-    qstart = case.seq_lens - QLEN
-    seqlen = case.seq_lens
-
-    def mask_mod(bi, h, q_idx, kv_idx):
-        p = kv_idx // BLOCK_SIZE
-        kpos = rank[p] * BLOCK_SIZE + kv_idx % BLOCK_SIZE
-        qpos = qstart[bi] + q_idx
-        ok = (owner[p] == bi) & (kpos < seqlen[bi])
-        if causal:
-            ok = ok & (kpos <= qpos)
-        if window > 0:
-            ok = ok & (qpos - kpos < window)
-            if not causal:
-                ok = ok & (kpos - qpos < window)
-        return ok
-
-    return BlockMask.from_kv_blocks(n_part, part, n_full, full, BLOCK_SIZE=(128, BLOCK_SIZE),
-                                    mask_mod=mask_mod, seq_lengths=(QLEN, nb * BLOCK_SIZE))
-
-
-def flex_paged(case: Case, causal=False, window=-1, flex=None) -> Col:
-    """Compiled flex_attention on the paged cache (``paged_block_mask``); ``flex``: the
-    flex_attention to call (default: compiled)."""
-    name = "flex paged (compiled; BlockMask from the block table)"
-    compiled, _, why = _flex_api()
-    why = _flex_skip() or why
-    if why:
-        return Col(name, None, missing=why)
-    flex = flex or compiled
-    try:
-        bm = paged_block_mask(case, causal, window)
-    except Exception as e:  # noqa: BLE001
-        return Col(name, None, missing=f"BlockMask failed: {msg(e)}")
-    n = case.nb * BLOCK_SIZE
-
-    def fn(q, kc, vc, qh, *rest):
-        k = kc.view(1, n, HKV, D).transpose(1, 2)  # [1, Hkv, num_blocks*16, D], a view
-        v = vc.view(1, n, HKV, D).transpose(1, 2)
-        return flex(qh, k, v, block_mask=bm, scale=SCALE, enable_gqa=True)
-
-    return Col(name, fn, from_heads, timed_note="compile")
-
-
-def flex_contiguous(flex=None) -> Col:
-    name = "flex contiguous (compiled; K/V [B,Hkv,S,D], no mask)"
-    compiled, _, why = _flex_api()
-    why = _flex_skip() or why
-    if why:
-        return Col(name, None, missing=why)
-    flex = flex or compiled
-
-    def fn(q, kc, vc, qh, qr, k, v):
-        return flex(qh, k, v, scale=SCALE, enable_gqa=True)
-
-    return Col(name, fn, from_heads, timed_note="compile")
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -474,16 +173,14 @@ def run_table(res: Results, title: str, label: str, case: Case, cols, want, timi
                  floor=floor, x=x, note=f"{fl}check tol {tol:.2g}")
 
 
-def _paged_cols(case: Case) -> list:
+def _paged_cols(case: Case, flex_skip) -> list:
     cols = [ours(case, "triton"), ours(case, "cuda")]
-    if os.environ.get("DFLASH_OPS_BENCH_ATTN_HEAD_MAJOR", "1") != "0":
-        cols.append(ours_head_major(case))
     for backend, _ in SDPA_BACKENDS:
         cols += [sdpa(backend, "heads"), sdpa(backend, "rows")]
-    return cols + [flex_paged(case), flex_contiguous()]
+    return cols + [flex_paged(case, skip=flex_skip), flex_contiguous(flex_skip)]
 
 
-def paged_table(res: Results, cases, timing: dict) -> None:
+def paged_table(res: Results, cases, timing: dict, flex_skip=None) -> None:
     title = (f"block_attention non-causal: {QLEN} queries/request, Hq {HQ}, Hkv {HKV}, D {D}, "
              f"paged K/V [blocks,{BLOCK_SIZE},{HKV},{D}] bf16, shuffled blocks")
     for b, s in cases:
@@ -495,14 +192,14 @@ def paged_table(res: Results, cases, timing: dict) -> None:
         print(f"[attention] B={b} S={s}: {len(case.sets)} input set(s), K/V "
               f"{case.kv_bytes / 1e9:.3g} GB a set; inputs + reference "
               f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-        run_table(res, title, f"B={b} S={s}", case, _paged_cols(case), want, timing, keys=s,
-                  flops=4.0 * b * QLEN * HQ * s * D, x=b * s)
+        run_table(res, title, f"B={b} S={s}", case, _paged_cols(case, flex_skip), want, timing,
+                  keys=s, flops=4.0 * b * QLEN * HQ * s * D, x=b * s)
         del case, want
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
 
 
-def _mask_cols(case: Case, causal: bool, window: int) -> list:
+def _mask_cols(case: Case, causal: bool, window: int, flex_skip) -> list:
     cols = [ours(case, "triton", causal, window), ours(case, "cuda", causal, window)]
     s = case.s
     if not causal and window <= 0:
@@ -526,10 +223,10 @@ def _mask_cols(case: Case, causal: bool, window: int) -> list:
         for bk in ("efficient", "cudnn"):
             cols.append(sdpa(bk, "rows", mask=bias, name=f"sdpa {bk}",
                              note=f"GQA in q rows, additive bf16 mask [1,1,{G * QLEN},{s}]"))
-    return cols + [flex_paged(case, causal, window)]
+    return cols + [flex_paged(case, causal, window, flex_skip)]
 
 
-def mask_table(res: Results, timing: dict) -> None:
+def mask_table(res: Results, timing: dict, flex_skip=None) -> None:
     b, s = MASK_CASE
     title = (f"block_attention masks, B={b} S={s}: {QLEN} queries at the end of each sequence, "
              f"Hq {HQ}, Hkv {HKV}, D {D}, paged bf16")
@@ -542,8 +239,8 @@ def mask_table(res: Results, timing: dict) -> None:
     for name, causal, window in MODES:
         want = reference(case, causal, window)
         pairs = int(visible(s, causal, window).sum())
-        run_table(res, title, name, case, _mask_cols(case, causal, window), want, timing,
-                  keys=keys[name], flops=4.0 * b * HQ * D * pairs,
+        run_table(res, title, name, case, _mask_cols(case, causal, window, flex_skip), want,
+                  timing, keys=keys[name], flops=4.0 * b * HQ * D * pairs,
                   progress=f"[attention] masks B={b} S={s}")
         del want
     del case
@@ -552,32 +249,30 @@ def mask_table(res: Results, timing: dict) -> None:
 
 
 # ----------------------------------------------------------------------------- run
-def _cases(quick: bool) -> list:
-    env = os.environ.get("DFLASH_OPS_BENCH_ATTN_CASES", "").strip()
-    if not env:
-        return list(QUICK_CASES if quick else CASES)
+def _cases(text: str) -> list:
+    """``--cases``: comma-separated BxS, S a multiple of the block size."""
     out = []
-    for item in env.split(","):
+    for item in text.split(","):
         try:
             b, s = (int(x) for x in item.strip().lower().split("x"))
         except ValueError:
-            raise ValueError(f"DFLASH_OPS_BENCH_ATTN_CASES: {item!r} is not BxS "
-                             f"(e.g. 8x4096)") from None
+            raise argparse.ArgumentTypeError(f"{item!r} is not BxS (e.g. 8x4096)") from None
         if b < 1 or s < QLEN or s % BLOCK_SIZE:
-            raise ValueError(f"DFLASH_OPS_BENCH_ATTN_CASES: {item!r}: need B >= 1 and S a "
-                             f"multiple of {BLOCK_SIZE}, >= {QLEN}")
+            raise argparse.ArgumentTypeError(f"{item!r}: need B >= 1 and S a multiple of "
+                                             f"{BLOCK_SIZE}, >= {QLEN}")
         out.append((b, s))
     return out
 
 
-def _tables() -> list:
-    want = [t.strip() for t in os.environ.get("DFLASH_OPS_BENCH_ATTN_TABLES", "").split(",")
-            if t.strip()]
-    unknown = [t for t in want if t not in TABLES]
-    if unknown:
-        raise ValueError(f"DFLASH_OPS_BENCH_ATTN_TABLES: unknown {unknown}; tables are "
-                         f"{list(TABLES)}")
-    return [t for t in TABLES if t in want] if want else list(TABLES)
+def add_options(p) -> None:
+    p.add_argument("--cases", type=_cases, default=None, metavar="BxS,...",
+                   help="shapes of the paged table (B requests x S keys, e.g. 1x131072,128x8192)"
+                        "; default: all shapes (--quick: fewer)")
+    p.add_argument("--tables", type=name_list(TABLES, "tables"), default=None,
+                   metavar="T1,T2", help=f"tables to run (default all of {', '.join(TABLES)})")
+    p.add_argument("--no-flex", dest="flex", action="store_false",
+                   help="no FlexAttention columns (their torch.compile calls are most of the "
+                        "run time)")
 
 
 NOTES = [
@@ -624,26 +319,25 @@ NOTES = [
 ]
 
 
-def run(quick: bool = False) -> Results:
-    """Measure floors, then the tables; returns the Results (the caller prints and writes)."""
+def run(quick: bool = False, cases=None, tables=None, flex: bool = True) -> Results:
+    """Measure floors, then the tables; returns the Results (the caller prints and writes).
+    ``cases``: (B, S) shapes of the paged table (default CASES, QUICK_CASES with ``quick``);
+    ``tables``: names of TABLES (default all); ``flex``: run the FlexAttention columns."""
     floors = measure_floors()
-    cases, tables = _cases(quick), _tables()
-    suffix = ""
-    if os.environ.get("DFLASH_OPS_BENCH_ATTN_CASES", "").strip():
-        suffix += "-" + "-".join(f"{b}x{s}" for b, s in cases)
+    tables = tables or list(TABLES)
+    suffix = "-" + "-".join(f"{b}x{s}" for b, s in cases) if cases else ""
     if len(tables) < len(TABLES):
         suffix += "-" + "-".join(tables)
-    if os.environ.get("DFLASH_OPS_ATTN_STAGES"):  # the CUDA kernel's pipeline depth (csrc)
-        suffix += "-stages" + os.environ["DFLASH_OPS_ATTN_STAGES"]
+    cases = cases or list(QUICK_CASES if quick else CASES)
+    flex_skip = None if flex else "skipped (--no-flex)"
     res = Results("attention" + suffix, floors=floors, xlabel="B*S (keys over all requests)",
                   meta={"block_attention backends": dispatch.available_backends(OP),
-                        "DFLASH_OPS_ATTN_STAGES": os.environ.get("DFLASH_OPS_ATTN_STAGES")})
+                        "block_attention default": dispatch.resolve(OP)})
     timing = dict(warmup_ms=10, rep_ms=40) if quick else dict(warmup_ms=25, rep_ms=100)
     with torch.no_grad():
         if "paged" in tables:
-            paged_table(res, cases, timing)
+            paged_table(res, cases, timing, flex_skip)
         if "masks" in tables:
-            mask_table(res, timing)
+            mask_table(res, timing, flex_skip)
     res.notes += NOTES
     return res
-

@@ -4,7 +4,8 @@ Shared by the suites (``bench.norm``, ``bench.context_kv``): ``Impl`` is one col
 one of our backends forced with ``use_backend``; ``measure`` checks a column on the benchmark's
 own inputs (2 bf16 ulps, or bit-exact) and times it (CUDA-graph replay, event timing where
 capture fails or the column opts out); ``table`` adds one timing table (one row per column and
-case, then the floor row); ``host_table`` one host-overhead table.
+case, then the floor row); ``host_table`` one host-overhead table of columns,
+``backend_host_table`` one of ops: each op's default backend next to every backend forced.
 """
 from __future__ import annotations
 
@@ -138,15 +139,44 @@ def table(res: Results, title: str, impls, cases, timing: dict, *, progress: str
         torch.cuda.empty_cache()
 
 
+def _host_us(fn, ctx=contextlib.nullcontext):
+    """(``host_overhead_us(fn)`` under ``ctx()``, None) or (None, why it failed)."""
+    with ctx():
+        try:
+            return host_overhead_us(fn), None
+        except Exception as e:  # noqa: BLE001 - a broken row is reported, not fatal
+            return None, f"failed: {msg(e)}"
+
+
 def host_table(res: Results, title: str, rows) -> None:
     """One row per column: ``host_overhead_us(fn)`` (``fn()`` takes no arguments) under its
     ``ctx()``, or n/a with the reason."""
     for r in rows:
-        us, note = None, r.missing or ""
-        if not r.missing:
-            with r.ctx():
-                try:
-                    us = host_overhead_us(r.fn)
-                except Exception as e:  # noqa: BLE001
-                    note = f"failed: {msg(e)}"
-        res.add(title, impl=r.name, **{"host us": us}, note=note)
+        us, note = (None, r.missing) if r.missing else _host_us(r.fn, r.ctx)
+        res.add(title, impl=r.name, **{"host us": us}, note=note or "")
+
+
+def backend_host_table(res: Results, title: str, calls: dict, syncs=()) -> None:
+    """One row per op of ``calls`` (op -> ``fn()``, no arguments, on a tiny input): the host
+    time of an eager call with the op's default backend (nothing forced: what a caller of the
+    op gets), then with each backend forced (``use_backend``; n/a where the op has none).
+    ``syncs``: ops whose torch backend synchronises, not measured (the host would wait for the
+    GPU)."""
+    import dflash_ops
+    from dflash_ops import dispatch
+
+    for op, fn in calls.items():
+        default = dispatch.resolve(op)
+        row, notes = {"op": op, "default": default}, []
+        runs = [("default", default, contextlib.nullcontext)]
+        runs += [(b, b, lambda b=b: dflash_ops.use_backend(b, ops=[op]))
+                 for b in ("cuda", "triton", "torch")]
+        for col, backend, ctx in runs:
+            us = None
+            if backend == "torch" and op in syncs:
+                notes += ["torch: not measured (synchronises)"] if col == "torch" else []
+            elif dispatch.has_backend(op, backend):
+                us, why = _host_us(fn, ctx)
+                notes += [f"{col}: {why}"] if why else []
+            row[f"{col} us"] = us
+        res.add(title, **row, note="; ".join(notes))

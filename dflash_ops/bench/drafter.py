@@ -1,14 +1,14 @@
 """Drafter suite: one DFlash draft step (context K/V of the newly committed tokens + the block
 forward + LM head + argmax) of the Qwen3-8B-DFlash-b16 drafter, our drafter eager and under its
-CUDA graph against the ``dflash`` package's reference model and the floor (issue 5, "Benchmark").
+CUDA graph against the ``dflash`` package's reference model and the floor.
 
 Shapes: Qwen3-8B-DFlash-b16's own config.json (``QWEN3_8B_DFLASH``): 5 layers, hidden 4096, 32 / 8
 heads of 128, MLP 12288, vocabulary 151936, block 16, 5 target taps x 4096 (fc [4096, 20480]),
 full (non-causal) attention, rope theta 1e6; random bf16 weights (``random_drafter_state``:
 matrices N(0, 1/fan_in), norms 1 + 0.1 N(0, 1)); the target's embedding and LM head [151936,
 4096] random (the LM head scaled by 4096**-0.5, so logits are ~N(0, 1)). Cases (B requests, S =
-each request's committed length): B 1, 8, 32, 64 at S 1024 and 8192, B 64 at S 4096 (the issue's
-batch target), B 1 at S 131072; ``--quick``: (1, 1024), (8, 8192), (64, 4096), (1, 131072).
+each request's committed length): B 1, 8, 32, 64 at S 1024 and 8192, B 64 at S 4096 (the batch
+target), B 1 at S 131072; ``--quick``: (1, 1024), (8, 8192), (64, 4096), (1, 131072).
 ``DFLASH_OPS_BENCH_DRAFTER_CASES`` (comma-separated ``BxS``, e.g. ``1x1024,64x4096``) replaces
 the cases; ``DFLASH_OPS_BENCH_DRAFTER_REF=0`` drops the reference column. A restricted run writes
 ``drafter-<BxS...>`` (``drafter-quick`` for ``--quick``, ``-noref`` without the reference), so it
@@ -35,9 +35,9 @@ Columns (tables per context length S, one row block per batch, then a summary ta
   or ``transformers`` cannot be imported. Checked against ours eager (below) and timed whatever
   the check says (it is the baseline; the note says whether it agrees).
 * ``ours eager``: ``DFlashDrafter.add_context`` of the 16 new rows a request, then ``propose``
-  (what ``DraftStep._step`` runs), default (eager) backends. The oracle of the graph column.
-* ``ours graph (DraftStep)``: ``models.draft_step.DraftStep(drafter, max_batch=B)``: ``load``,
-  ``capture(bucket)`` (under ``dispatch.graph_backends()``), ``run(bucket)`` = one replay. Timed
+  (what ``DraftStep._step`` runs), default backends. The oracle of the graph column.
+* ``ours graph (DraftStep)``: ``speculator.draft_step.DraftStep(drafter, max_batch=B)``:
+  ``load``, ``capture(bucket)`` (``dispatch.capture_graph``), ``run(bucket)`` = one replay. Timed
   only if it agrees with ours eager.
 * ``floor`` = max(bytes / copy bandwidth, FLOPs / bf16 GEMM rate), both measured in this run
   (``measure_floors``); ``step_cost`` itemizes it (bf16, 2 bytes an element; b = block 16, N =
@@ -53,7 +53,7 @@ Columns (tables per context length S, one row block per batch, then a summary ta
             H*Hq*D + 3*I*H) (layers) + 4*B*b*L*Hq*D*(S + b) (attention) + 2*B*(b-1)*V*H (LM head)
   Not counted: the block's own K/V (kept on chip by a minimal step), norms / RoPE / softmax
   arithmetic, and our logits output (bf16 [B, 15, V]: 4.6 MB at B 1, 292 MB at B 64).
-  At B 1, S 1024: 3.44 GB (weights 3.43) -> ~0.8 ms at ~4.3 TB/s (the issue's "about 0.77 ms"
+  At B 1, S 1024: 3.44 GB (weights 3.43) -> ~0.8 ms at ~4.3 TB/s (the target "about 0.77 ms"
   matches the weights with the k/v weights read once: the stacked copy is 84 MB, 2.4%). B 64,
   S 4096: 8.9 GB but 3.8 TFLOP -> ~5.4 ms at ~700 TFLOP/s (FLOP-bound from B ~16 at S 1024).
 
@@ -71,10 +71,10 @@ server pays; the graph column with the same events around each ``run(bucket)`` (
 Weights (3.4 GB) and the K/V (>= 21 MB a request) stream from HBM, so one input set; calls
 repeat the same step (the same cache writes each time).
 
-Run time on the H200 (estimated, not yet run): random weights on the CPU ~10 s, floors ~5 s,
+Run time on the H200 (estimate): random weights on the CPU ~10 s, floors ~5 s,
 reference model build ~5 s; per case ~3-8 s (drafter + cache + inputs, the reference cache copy,
 the first calls and graph capture, ~0.5-1 s of timing a column at 1-30 ms a step), plus the
-first Triton compiles (the graph backends' norm / RoPE kernels) ~10-30 s once: full run (10
+first Triton compiles (the norm / RoPE kernels) ~10-30 s once: full run (10
 cases) ~2-3 minutes, ``--quick`` ~1-1.5 minutes. Memory: at most ~40 GB at B 64, S 8192 (our
 cache 10.8 GB, the reference's DynamicCache 10.7 GB + its per-layer concatenation, weights 3.4 GB
 + the reference's 2.1 GB + embedding 1.2 GB, logits 0.6 GB a column).
@@ -311,7 +311,7 @@ def eager_step(drafter, inp: dict) -> tuple:
 def graph_step(drafter, inp: dict, batch: int, capture: bool = True):
     """(DraftStep, bucket) loaded with the step's inputs and, with ``capture``, its graph
     recorded (the capture's warm-up runs the step once for real); ``step.run(bucket)`` runs it."""
-    from ..models.draft_step import DraftStep
+    from ..speculator.draft_step import DraftStep
 
     step = DraftStep(drafter, max_batch=batch, scratch_request=batch)
     bucket = step.load(inp["ctx_hidden"], inp["ctx_req"], inp["ctx_pos"], inp["block_ids"],
@@ -514,8 +514,8 @@ NOTES = [
     "(DynamicCache holding the S-16 older positions, copied from our cache; forward over 16 "
     "context rows + the block; _crop_to; compute_logits; argmax); each call crops back to S-16 "
     "first; timed whatever its check says",
-    "ours eager: DFlashDrafter.add_context + propose, default eager backends; ours graph: "
-    "DraftStep load + capture(B) under dispatch.graph_backends(), then run(B) = one replay",
+    "ours eager: DFlashDrafter.add_context + propose, default backends; ours graph: "
+    "DraftStep load + capture(B) (dispatch.capture_graph), then run(B) = one replay",
     "timing: per-call CUDA events (do_bench: median, 256 MB L2 wipe before each call); eager "
     "columns include their host launch gaps (what an eager server pays); graph: events around "
     "each replay; one input set (weights 3.4 GB and the K/V stream from HBM)",
@@ -551,13 +551,10 @@ def run(quick: bool = False) -> Results:
     if os.environ.get(ENV_REF, "1").strip() == "0":
         suffix += "-noref"
     floors = measure_floors()
-    with dispatch.graph_backends():
-        graph_backends = {op: dispatch.resolve(op) for op in OPS_USED}
     res = Results("drafter" + suffix, floors=floors, xlabel="B (requests)",
                   meta={"config": "Qwen3-8B-DFlash-b16", "new_rows_per_request": NEW,
                         "cases": [f"{b}x{s}" for b, s in todo],
-                        "eager backends": {op: dispatch.resolve(op) for op in OPS_USED},
-                        "graph backends": graph_backends})
+                        "backends": {op: dispatch.resolve(op) for op in OPS_USED}})
     timing = dict(warmup_ms=25, rep_ms=150) if quick else dict(warmup_ms=50, rep_ms=500)
     cfg = drafter_config()
     with torch.no_grad():

@@ -35,15 +35,20 @@ L2_BYTES = 60 << 20  # H200; the device's own L2 size is used when it reports a 
 QUANTILES = (0.5, 0.2, 0.8)
 _SLEEP_CYCLES = 20_000_000  # ~10 ms of torch.cuda._sleep at ~2 GHz
 
-# name -> (module whose run(quick) returns a Results, one-line description)
+# name -> (module whose run(quick, **options) returns a Results, one-line description). A suite
+# module may define ``add_options(parser)``: its own command-line options, accepted when it is
+# the only suite named; their values reach ``run`` as keyword arguments.
 SUITES = {
     "norm": ("dflash_ops.bench.norm",
              "rms_norm (K-norm [T,40,128] w[5,128]; hidden [T,4096]) and fused_add_rms_norm_: "
-             "cuda / triton vs torch eager, torch.compile, Liger, floor; host overhead"),
+             "cuda / triton vs torch eager, torch.compile, Liger, floor; host overhead of "
+             "each op's default backend vs cuda / triton"),
     "context_kv": ("dflash_ops.bench.context_kv",
                    "knorm_rope_ (k = kv[:,:,0]), qk_norm_rope_ (QKV slices), store_kv_ (vLLM "
-                   "caches): Qwen3-8B / gpt-oss-20b-DFlash shapes; cuda / triton vs torch eager, "
-                   "torch.compile, unfused chains, Liger, floor; host overhead"),
+                   "caches), the fused context_kv_ path: Qwen3-8B / gpt-oss-20b-DFlash / Qwen3-4B "
+                   "/ Qwen3.8-27B shapes; cuda / triton vs torch eager, torch.compile, unfused "
+                   "chains, Liger, cuBLAS, floor; host overhead of each op's default backend vs "
+                   "cuda / triton"),
     "attention": ("dflash_ops.bench.attention",
                   "block_attention, 16 queries/request over a paged bf16 cache (Hq 32, Hkv 8, "
                   "D 128; B x S up to 128 x 8192, 1 x 131072): triton / cuda vs SDPA flash / "
@@ -226,7 +231,7 @@ def env_info() -> dict:
         info["cuda_ext"] = dflash_ops._ext.STATUS.get("how")
     except Exception:  # noqa: BLE001 - metadata only
         pass
-    # the knobs that change what runs (backends, layouts, kernel variants), as set in this run
+    # the knobs that change what runs (forced backends, debug checks), as set in this run
     info["env"] = {k: v for k, v in sorted(os.environ.items())
                    if k.startswith("DFLASH_OPS_") and k != "DFLASH_OPS_COMMIT"}
     repo = Path(__file__).resolve().parents[2]
@@ -310,6 +315,8 @@ class Results:
                  f"triton {m.get('triton')}  CUDA {m.get('cuda')}  commit {m.get('commit')}"]
         if m.get("env"):
             lines.append("settings: " + " ".join(f"{k}={v}" for k, v in m["env"].items()))
+        if m.get("options"):
+            lines.append("options: " + " ".join(f"{k}={v}" for k, v in m["options"].items()))
         if f:
             lines.append(f"floors (this run): copy {_fmt(f.get('copy_GBps'))} GB/s (read + write), "
                          f"bf16 GEMM {_fmt(f.get('gemm_TFLOPs'))} TFLOP/s")
@@ -404,16 +411,46 @@ class Results:
 
 # ----------------------------------------------------------------------------- CLI
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``dflash-ops bench [names...] [--out DIR] [--quick] [--list] [--no-plot]``."""
-    p = argparse.ArgumentParser(prog="dflash-ops bench",
+def name_list(known: Sequence[str], what: str) -> Callable[[str], List[str]]:
+    """An argparse ``type``: comma-separated names of ``known``, returned in ``known``'s order."""
+    def parse(text: str) -> List[str]:
+        want = [x.strip() for x in text.split(",") if x.strip()]
+        unknown = [x for x in want if x not in known]
+        if unknown or not want:
+            raise argparse.ArgumentTypeError(f"unknown {what} {unknown or [text]}; {what} are "
+                                             f"{list(known)}")
+        return [x for x in known if x in want]
+    return parse
+
+
+def _parser(suite_module=None, add_help: bool = True) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash-ops bench", add_help=add_help,
                                 description="Run dflash_ops benchmark suites on the CUDA GPU.")
     p.add_argument("names", nargs="*", help=f"suites to run (default: all of {list(SUITES)})")
     p.add_argument("--out", default=None, help="results directory (default ./benchmarks/results)")
     p.add_argument("--quick", action="store_true", help="fewer sizes, shorter timing")
     p.add_argument("--list", action="store_true", help="list the suites and exit")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
-    a = p.parse_args(list(argv) if argv is not None else None)
+    if suite_module is not None:
+        suite_module.add_options(p.add_argument_group(
+            f"{suite_module.__name__.rsplit('.', 1)[-1]} options (with that suite only)"))
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``dflash-ops bench [names...] [--out DIR] [--quick] [--list] [--no-plot] [suite options]``.
+
+    Suite options (a suite's ``add_options``) are accepted when that suite is the only one named.
+    """
+    argv = list(argv) if argv is not None else sys.argv[1:]
+    named = [n for n in _parser(add_help=False).parse_known_args(argv)[0].names if n in SUITES]
+    module = importlib.import_module(SUITES[named[0]][0]) if len(named) == 1 else None
+    p = _parser(module if hasattr(module, "add_options") else None)
+    a, extra = p.parse_known_args(argv)
+    if extra:
+        p.error(f"unrecognized arguments: {' '.join(extra)}" + (
+            f" (suite options are accepted with one suite named, not {named})"
+            if len(named) > 1 else ""))
     if a.list:
         for name, (_, desc) in SUITES.items():
             print(f"{name:8s} {desc}")
@@ -428,8 +465,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}). Nothing was run.",
               file=sys.stderr)
         return 1
+    common = {"names", "out", "quick", "list", "no_plot"}
+    options = {k: v for k, v in vars(a).items() if k not in common}
     for name in a.names or list(SUITES):
-        res = importlib.import_module(SUITES[name][0]).run(quick=a.quick)
+        res = importlib.import_module(SUITES[name][0]).run(quick=a.quick, **options)
+        if options:
+            res.meta["options"] = {k: v for k, v in options.items() if v is not None}
         paths = res.write(a.out, plot=not a.no_plot)
         print(res.format())
         print("wrote " + ", ".join(map(str, paths)))

@@ -1,11 +1,6 @@
-"""A paged KV cache for the drafter: one [num_blocks, block_size, Hkv, D] K and V tensor per layer
-and a block table per request.
-
-Layout (``layout=`` or ``DFLASH_OPS_KV_LAYOUT``): ``"token"`` (the default) stores the tensors
-as shaped, each token's Hkv heads side by side (vLLM's layout); ``"head"`` stores them as
-[num_blocks, Hkv, block_size, D] and exposes the [num_blocks, block_size, Hkv, D] view (strided;
-every op takes it), so one head's rows of a block are one contiguous run (4 KB at block 16,
-D 128) for attention to read. Which is faster is measured in benchmarks/NOTES.md.
+"""A paged KV cache (the drafter's and the target's): one [num_blocks, block_size, Hkv, D] K and V
+tensor per layer, each token's Hkv heads side by side (vLLM's layout), and a block table per
+request.
 
 Request r's token at position p lives in block ``block_table[r, p // block_size]``, row
 ``p % block_size``, i.e. at slot ``block_table[r, p // block_size] * block_size + p %
@@ -15,40 +10,27 @@ are computed on the device (no host sync) from positions.
 """
 from __future__ import annotations
 
-import os
 from typing import List, Optional
 
 import torch
-
-LAYOUTS = ("token", "head")
 
 
 class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, max_requests: int, max_len: int, dtype: torch.dtype,
-                 device=None, layout: Optional[str] = None):
+                 device=None):
         if block_size <= 0 or num_blocks <= 0:
             raise ValueError(f"PagedKVCache: block_size and num_blocks must be > 0, got "
                              f"{block_size} and {num_blocks}")
-        if layout is None:
-            layout = os.environ.get("DFLASH_OPS_KV_LAYOUT", "token").strip() or "token"
-        if layout not in LAYOUTS:
-            raise ValueError(f"PagedKVCache: layout (or DFLASH_OPS_KV_LAYOUT) must be one of "
-                             f"{LAYOUTS}, got {layout!r}")
-        self.layout = layout
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_blocks = -(-max_len // block_size)
 
-        def alloc() -> torch.Tensor:
-            if layout == "head":
-                return torch.zeros((num_blocks, num_kv_heads, block_size, head_dim), dtype=dtype,
-                                   device=device).transpose(1, 2)
-            return torch.zeros((num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype,
-                               device=device)
-
-        self.k: List[torch.Tensor] = [alloc() for _ in range(num_layers)]
-        self.v: List[torch.Tensor] = [alloc() for _ in range(num_layers)]
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k: List[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device)
+                                      for _ in range(num_layers)]
+        self.v: List[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device)
+                                      for _ in range(num_layers)]
         # unused entries point past the cache (num_blocks): their keys are never visible
         self.block_table = torch.full((max_requests, self.max_blocks), num_blocks,
                                       dtype=torch.int32, device=device)

@@ -1,5 +1,5 @@
 """The DFlash drafter on ``torch.ops.dflash``: context K/V (``add_context``) and one block forward
-(``propose``), as ../shared/DFLASH.md describes and the ``dflash`` package computes.
+(``propose``), as the ``dflash`` reference package computes them.
 
 Per step, for a batch of requests:
 
@@ -8,14 +8,15 @@ Per step, for a batch of requests:
   layer, per-layer K RMSNorm, RoPE, paged write) into every layer's cache.
 * ``propose(block_ids, requests, start)``: the block ``[last token, MASK x N]`` of each request
   at positions ``start .. start + B - 1`` (``start`` = the request's committed length, whose
-  context K/V are all in the cache). Per layer: RMSNorm, the fused QKV GEMM, ``qk_norm_rope_``,
-  ``store_kv_`` of the block's K/V at the slots after the context (the next ``add_context``
-  overwrites them with the committed tokens' context K/V: the cache keeps context only), then
-  ``block_attention`` over context + block (non-causal unless the layer is causal/sliding),
-  ``o_proj``, residual, SwiGLU MLP; final norm; the LM head on the mask rows only; logits
-  (model dtype; fp32 when the config scales or soft-caps them); greedy tokens.
+  context K/V are all in the cache). Per layer (``models.layer.DecoderLayer``, the target's
+  layer): RMSNorm, the fused QKV GEMM, ``qk_norm_rope_``, ``store_kv_`` of the block's K/V at
+  the slots after the context (the next ``add_context`` overwrites them with the committed
+  tokens' context K/V: the cache keeps context only), then ``block_attention`` over context +
+  block (non-causal unless the layer is causal/sliding), ``o_proj``, residual, SwiGLU MLP; final
+  norm; the LM head on the mask rows only; logits (model dtype; fp32 when the config scales or
+  soft-caps them); greedy tokens.
 
-Weights are the checkpoint's (names of DFLASH.md, ``models.weights``); the embedding and LM head
+Weights are the checkpoint's (names: ``models.weights``); the embedding and LM head
 come from the target unless the checkpoint ships its own. Every request's block has the same
 length B (the config's block_size unless given).
 """
@@ -29,8 +30,9 @@ import torch.nn.functional as F
 from .. import ops  # noqa: F401  (defines torch.ops.dflash.*)
 from ..ops.rope import make_cos_sin_cache
 from .cache import PagedKVCache
-from .linear import linear
 from .config import DFlashConfig
+from .layer import DecoderLayer, Tokens
+from .linear import linear
 from .weights import check_drafter_state, stack_kv
 
 OPS = torch.ops.dflash
@@ -49,8 +51,8 @@ class DFlashDrafter:
         def w(name):
             return state[name].to(device=dev, dtype=dtype).contiguous()
 
-        self.embed = state["embed_tokens.weight"] if "embed_tokens.weight" in state else embed_tokens
-        self.lm_head = state["lm_head.weight"] if "lm_head.weight" in state else lm_head
+        self.embed = state.get("embed_tokens.weight", embed_tokens)
+        self.lm_head = state.get("lm_head.weight", lm_head)
         if self.embed is None or self.lm_head is None:
             missing = [n for n, t in (("embed_tokens", self.embed), ("lm_head", self.lm_head))
                        if t is None]
@@ -69,32 +71,15 @@ class DFlashDrafter:
         self.w_kv = w_kv.to(device=dev, dtype=dtype).contiguous()
         self.b_kv = None if b_kv is None else b_kv.to(device=dev, dtype=dtype)
         self.k_weight = k_weight.to(device=dev, dtype=dtype).contiguous()
-        self.layers = []
-        for i in range(cfg.num_layers):
-            p = f"layers.{i}."
-            a = p + "self_attn."
-            qkv = torch.cat([state[a + n + "_proj.weight"] for n in "qkv"])
-            bias = (torch.cat([state[a + n + "_proj.bias"] for n in "qkv"])
-                    if cfg.attention_bias else None)
-            self.layers.append(dict(
-                in_ln=w(p + "input_layernorm.weight"),
-                post_ln=w(p + "post_attention_layernorm.weight"),
-                qkv=qkv.to(device=dev, dtype=dtype).contiguous(),
-                qkv_b=None if bias is None else bias.to(device=dev, dtype=dtype),
-                o=w(a + "o_proj.weight"),
-                o_b=w(a + "o_proj.bias") if cfg.attention_bias else None,
-                q_norm=w(a + "q_norm.weight"), k_norm=w(a + "k_norm.weight"),
-                gate_up=torch.cat([state[p + "mlp.gate_proj.weight"],
-                                   state[p + "mlp.up_proj.weight"]]).to(device=dev, dtype=dtype),
-                down=w(p + "mlp.down_proj.weight"),
-                sinks=(state[a + "sinks"].to(device=dev, dtype=torch.float32)
-                       if cfg.attention_sinks else None),
-                causal=cfg.layer_causal(i), window=cfg.layer_window(i)))
+        self.layers = [DecoderLayer.load(
+            state, f"layers.{i}.", dtype=dtype, device=dev, bias=cfg.attention_bias,
+            qk_norm=True, causal=cfg.layer_causal(i), window=cfg.layer_window(i),
+            sinks=(state[f"layers.{i}.self_attn.sinks"].to(device=dev, dtype=torch.float32)
+                   if cfg.attention_sinks else None)) for i in range(cfg.num_layers)]
         self.cos_sin = make_cos_sin_cache(max(cfg.max_position_embeddings, max_len),
                                           cfg.rotary_dim, base=cfg.rope_theta, device=dev)
         self.cache = PagedKVCache(cfg.num_layers, num_blocks, cache_block_size, cfg.num_kv_heads,
                                   cfg.head_dim, max_requests, max_len, dtype, dev)
-        self.scale = cfg.head_dim ** -0.5
 
     # ------------------------------------------------------------------------------ context
     def add_context(self, tap_hidden: torch.Tensor, requests: torch.Tensor,
@@ -121,37 +106,18 @@ class DFlashDrafter:
                       start: torch.Tensor) -> torch.Tensor:
         """Final-norm hidden states [R * B, H] of the blocks block_ids [R, B] of requests [R]
         whose first token sits at position start[R] (the committed length)."""
-        cfg = self.cfg
         r, b = block_ids.shape
-        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         pos = (start.long()[:, None] + torch.arange(b, device=self.device)[None, :]).reshape(-1)
         req = requests.long()[:, None].expand(r, b).reshape(-1)
-        slots = self.cache.slots(req, pos)
-        table = self.cache.block_table[requests.long()]
-        seq_lens = (start.long() + b).to(torch.int32)
-        qsl = torch.arange(0, (r + 1) * b, b, dtype=torch.int32, device=self.device)
+        t = Tokens(self.cfg, self.cos_sin, pos, self.cache.slots(req, pos),
+                   self.cache.block_table[requests.long()], (start.long() + b).to(torch.int32),
+                   torch.arange(0, (r + 1) * b, b, dtype=torch.int32, device=self.device))
         x = self._embed(block_ids.reshape(-1))
-        h = torch.empty_like(x)
-        for i, lw in enumerate(self.layers):
-            if i == 0:
-                h = OPS.rms_norm(x, lw["in_ln"], cfg.rms_norm_eps)
-            else:  # x += previous sublayer output (in h); h = norm(x)
-                OPS.fused_add_rms_norm_(h, x, lw["in_ln"], cfg.rms_norm_eps)
-            qkv = linear(h, lw["qkv"], lw["qkv_b"])
-            q = qkv[:, :hq * d].view(-1, hq, d)
-            k = qkv[:, hq * d:(hq + hkv) * d].view(-1, hkv, d)
-            v = qkv[:, (hq + hkv) * d:].view(-1, hkv, d)
-            OPS.qk_norm_rope_(q, k, lw["q_norm"], lw["k_norm"], pos, self.cos_sin,
-                              cfg.rms_norm_eps, cfg.rope_is_neox)
-            OPS.store_kv_(k[:, None], v[:, None], [self.cache.k[i]], [self.cache.v[i]], slots)
-            attn = OPS.block_attention(q, self.cache.k[i], self.cache.v[i], table,
-                                       seq_lens, qsl, self.scale, lw["causal"], lw["window"],
-                                       lw["sinks"])
-            o = linear(attn.view(-1, hq * d), lw["o"], lw["o_b"])
-            OPS.fused_add_rms_norm_(o, x, lw["post_ln"], cfg.rms_norm_eps)  # x += o; o = norm
-            h = linear(OPS.silu_mul(linear(o, lw["gate_up"])), lw["down"])  # silu(g) * u
+        h = None
+        for i, layer in enumerate(self.layers):
+            h = layer(x, h, self.cache.k[i], self.cache.v[i], t)
         x = x + h
-        return OPS.rms_norm(x, self.norm, cfg.rms_norm_eps)
+        return OPS.rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head's output: in the model dtype when the config neither scales nor

@@ -1,22 +1,23 @@
 """The models' linear layers: cuBLAS (``F.linear``) or our Triton skinny GEMM, per shape.
 
-``linear(x, w, b)`` computes ``x @ w^T + b`` like ``F.linear``. On CUDA, for bf16/fp16, inside
-``dispatch.graph_backends()`` (CUDA-graph warm-up and capture: an eager Triton launch costs
-65-120 us of host time, more than these GEMMs take on the GPU), it looks up the GEMM's shape
-(N, K) and the bucket of M (rows) in ``TABLE`` and runs the Triton GEMM of ``kv_proj``
-(``triton.context.kv_proj``) with the recorded launch config where a sweep measured it
-faster than cuBLAS; everywhere else it is ``F.linear``.
+``linear(x, w, b)`` computes ``x @ w^T + b`` like ``F.linear``. On CUDA, for bf16/fp16, it looks
+up the GEMM's shape (N, K) and the bucket of M (rows) in ``TABLE`` and runs the Triton GEMM of
+``kv_proj`` (``triton.context.kv_proj``) with the recorded launch config where a sweep measured
+it faster than cuBLAS, in calls recorded into a CUDA graph; everywhere else (eager calls
+included) it is ``F.linear``. The table is the sibling of the op table (``dispatch.define_op(
+default=..., eager=...)``) and follows its rule: it holds kernel times under CUDA-graph replay,
+and an eager Triton launch costs more host time (tens of microseconds) than these GEMMs take.
 
 ``TABLE`` comes from ``linear_table.json`` next to this file, written by
 ``benchmarks/sweep_linear.py --write-table`` from measurements on the H200 (each entry: the
-config and both times). Without that file (the state until the sweep has run) every layer uses
-cuBLAS. The choice depends on shapes only, so a captured graph replays with any values.
+config and both times); without the file every layer uses cuBLAS. The choice depends on shapes
+only, so a captured graph replays with any values.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -63,10 +64,14 @@ def _load() -> Table:
 TABLE: Table = _load()
 
 
-def choice(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> Optional[tuple]:
-    """The Triton launch config for this GEMM, or None for cuBLAS."""
-    if (device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16)
-            or not dispatch.in_graph_backends()):
+def choice(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
+           graph: Optional[bool] = None) -> Optional[tuple]:
+    """The Triton launch config for this GEMM, or None for cuBLAS; ``graph``: whether the call
+    is recorded into a CUDA graph (default: ``dispatch.in_graph_call()``). Eager calls run
+    cuBLAS: an eager Triton launch costs more host time than these GEMMs take on the GPU."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if not (dispatch.in_graph_call() if graph is None else graph):
         return None
     return TABLE.get((n, k), {}).get(m_bucket(m))
 
@@ -83,12 +88,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -
     cfg = choice(x2.shape[0], w.shape[0], w.shape[1], x.dtype, x.device) if x2.shape[0] else None
     if cfg is None or w.dtype != x.dtype or (b is not None and b.dtype != x.dtype):
         return F.linear(x2, w, b).view(*lead, w.shape[0])
-    from ..triton.context import ProjCfg, kv_proj
+    from ..triton.context import ProjCfg, kv_proj  # here: triton may be absent off CUDA
 
     return kv_proj(x2, w, b, cfg=ProjCfg(*cfg)).view(*lead, w.shape[0])
-
-
-def describe() -> List[str]:
-    """One line per table entry (for ``dflash-ops info`` and the benchmarks' notes)."""
-    return [f"N={n} K={k} M<={m}: triton {cfg}" for (n, k), by_m in sorted(TABLE.items())
-            for m, cfg in sorted(by_m.items())]

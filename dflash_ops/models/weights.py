@@ -1,7 +1,7 @@
 """DFlash drafter weights: load safetensors, check them against a :class:`DFlashConfig`, and stack
 the per-layer K/V projections for the fused context path.
 
-Names are the z-lab ones (DFLASH.md, "Checkpoint formats"); a leading ``model.`` (HF-style
+Names are the z-lab ones (``expected_shapes``); a leading ``model.`` (HF-style
 checkpoints) is stripped from every name. ``check_drafter_state`` reports every missing, unexpected
 and wrongly shaped tensor in one ValueError.
 """
@@ -158,7 +158,7 @@ def _get(state: dict, name: str) -> torch.Tensor:
 def stack_kv(state: dict, cfg: DFlashConfig, dtype: Optional[torch.dtype] = None) -> tuple:
     """``(w_kv [L*2*Hkv*D, H], b_kv [L*2*Hkv*D] or None, k_weight [L, D])``.
 
-    Rows are layer-major and, inside a layer, the K rows then the V rows (DFLASH.md step 3), so
+    Rows are layer-major and, inside a layer, the K rows then the V rows, so
     ``(x @ w_kv.T).view(T, L, 2, Hkv, D)`` gives ``[:, l, 0]`` = K and ``[:, l, 1]`` = V of layer l.
     ``b_kv`` is None unless ``cfg.attention_bias``. ``k_weight`` stacks the per-layer k_norm
     weights."""

@@ -1,6 +1,28 @@
-"""Op families: each module defines its ops' schemas, checks, references and fake kernels."""
-from .norm import rms_norm, fused_add_rms_norm_, rms_norm_ref  # noqa: F401
-from .rope import rope_, qk_norm_rope_, knorm_rope_, make_cos_sin_cache, rope_values  # noqa: F401
-from .kv import store_kv_, kv_proj, context_kv_, store_kv_ref, kv_proj_ref, context_kv_ref  # noqa: F401
-from .attention import block_attention, block_attention_ref  # noqa: F401
-from .act import silu_mul, silu_mul_ref  # noqa: F401
+"""Op families: each module defines its ops (schema, checks, torch reference, fake kernel, default
+backend), their Python wrappers (its ``__all__``, re-exported here and by ``dflash_ops``),
+``samples(device, dtype)``, the table of valid inputs that ``dflash-ops check`` and the op tests
+draw from, and ``bad_samples()``, the breaks of those inputs that tests/test_bad_inputs.py expects
+each op to reject. Importing this package defines every op."""
+import importlib
+
+FAMILIES = ("norm", "rope", "kv", "context", "attention", "act", "loop")
+
+modules = {f: importlib.import_module(f".{f}", __name__) for f in FAMILIES}
+__all__ = [name for m in modules.values() for name in m.__all__]
+globals().update({name: getattr(m, name) for m in modules.values() for name in m.__all__})
+
+
+def samples(device, dtype) -> dict:
+    """Every family's sample table merged: {op: {case name: {argument: value}}}."""
+    out = {}
+    for m in modules.values():
+        out.update(m.samples(device, dtype))
+    return out
+
+
+def bad_samples() -> dict:
+    """Every family's bad-input cases merged: {op: [(case name, mutation, argument named)]}."""
+    out = {}
+    for m in modules.values():
+        out.update(m.bad_samples())
+    return out

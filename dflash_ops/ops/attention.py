@@ -23,7 +23,10 @@ import torch
 
 from .. import dispatch
 from . import _checks as C
+from ._samples import META, Maker, rnd, set_, strided_last, to
 from .rope import HEAD_DIMS
+
+__all__ = ["block_attention"]
 
 _OP = "block_attention"
 
@@ -138,16 +141,20 @@ _ARGS = ("Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor s
          "Tensor query_start_loc, float scale, bool causal=False, int window=-1, "
          "Tensor? sinks=None")
 
+# Default cuda: 1.5-1.8x faster than the Triton kernel at every benchmarked shape (Hq 32, Hkv 8,
+# D 128, 16 queries a request, bf16, graph replay): B x S 1 x 1024 14.7 vs 25.8 us, 1 x 131072
+# 200 vs 321 us, 32 x 4096 203 vs 302 us, 128 x 8192 1517 vs 2272 us.
 dispatch.define_op(
     f"block_attention({_ARGS}) -> Tensor",
     validate=_check_attn, reference=block_attention_ref,
     fake=lambda q, *a, **k: torch.empty_like(q, memory_format=torch.contiguous_format),
-    debug_check=_debug_attn)
+    default="cuda", debug_check=_debug_attn)
 
+# Default cuda: the kernels of block_attention, writing into ``out``.
 dispatch.define_op(
     f"block_attention_out_({_ARGS}, *, Tensor(a!) out) -> ()",
     validate=lambda *a, **k: _check_attn(*a, **k, op="block_attention_out_"),
-    reference=_ref_out, fake=lambda *a, **k: None,
+    reference=_ref_out, fake=lambda *a, **k: None, default="cuda",
     debug_check=lambda *a, **k: _debug_attn(*a, op="block_attention_out_"))
 
 
@@ -163,3 +170,84 @@ def block_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
         q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, causal, window,
         sinks, out=out)
     return out
+
+
+def samples(device, dtype) -> dict:
+    """Valid arguments per op, by case name, as {argument name: value} in schema order: three
+    requests of 3 / 1 / 4 queries over 7 / 3 / 12 keys, block size 4, 3 blocks each."""
+    def attn(causal, window, with_sinks, seed, hq=4, hkv=2, shuffled=True):
+        m = Maker(seed, device, dtype)
+        d, nb = 64, 10
+        table = torch.randperm(nb, generator=m.g)[:9].view(3, 3) if shuffled \
+            else torch.arange(9).view(3, 3)
+        return dict(q=m.rnd(8, hq, d), k_cache=m.rnd(nb, 4, hkv, d), v_cache=m.rnd(nb, 4, hkv, d),
+                    block_table=table.to(torch.int32).to(m.device),
+                    seq_lens=m.ints([7, 3, 12], torch.int32),
+                    query_start_loc=m.ints([0, 3, 4, 8], torch.int32), scale=d ** -0.5,
+                    causal=causal, window=window,
+                    sinks=m.rnd(hq, dtype=torch.float32) if with_sinks else None)
+
+    def with_out(kw):
+        return dict(kw, out=torch.zeros_like(kw["q"]))
+
+    return {
+        _OP: {"causal-sinks": attn(True, -1, True, 21, shuffled=False),
+              "noncausal": attn(False, -1, False, 22),
+              "causal-window-sinks": attn(True, 3, True, 23),
+              "gqa4-noncausal-window": attn(False, 2, False, 24, hq=8)},
+        "block_attention_out_": {
+            "causal-sinks": with_out(attn(True, -1, True, 21, shuffled=False)),
+            "noncausal-sinks": with_out(attn(False, -1, True, 25)),
+            # causal/window/sinks at their schema defaults: the dispatcher drops such args
+            "all-defaults": with_out(attn(False, -1, False, 26))},
+    }
+
+
+def bad_samples() -> dict:
+    """Bad-input cases per op, as [(case name, mutation, argument the error names)]: each mutation
+    breaks one argument of the op's first sample case (see ``_samples``); the ``out_`` variant
+    gets every case of the plain op plus its own on ``out``."""
+    I32, I64, BF16 = torch.int32, torch.int64, torch.bfloat16
+    attn = [
+        ("q-rank2", set_(q=rnd(8, 64)), "q"),
+        ("q-int", to("q", dtype=I32), "q"),
+        ("q-head_dim-96", set_(q=rnd(8, 4, 96), k_cache=rnd(10, 4, 2, 96),
+                               v_cache=rnd(10, 4, 2, 96)), "q"),
+        ("q-last-stride", set_(q=strided_last(8, 4, 64)), "q"),
+        ("k_cache-bf16", to("k_cache", dtype=BF16), "k_cache"),
+        ("k_cache-D", set_(k_cache=rnd(10, 4, 2, 32)), "k_cache"),
+        ("k_cache-rank3", set_(k_cache=rnd(40, 2, 64)), "k_cache"),
+        ("k_cache-last-stride", set_(k_cache=strided_last(10, 4, 2, 64)), "k_cache"),
+        ("k_cache-meta", to("k_cache", device=META), "k_cache"),
+        ("v_cache-Hkv", set_(v_cache=rnd(10, 4, 1, 64)), "v_cache"),
+        ("v_cache-num_blocks", set_(v_cache=rnd(12, 4, 2, 64)), "v_cache"),
+        ("v_cache-bf16", to("v_cache", dtype=BF16), "v_cache"),
+        ("Hq-not-multiple-of-Hkv", set_(q=rnd(8, 4, 64), k_cache=rnd(10, 4, 3, 64),
+                                        v_cache=rnd(10, 4, 3, 64)), "q"),
+        ("block_table-int64", to("block_table", dtype=I64), "block_table"),
+        ("block_table-rank1", set_(block_table=lambda kw: kw["block_table"].flatten()),
+         "block_table"),
+        ("block_table-meta", to("block_table", device=META), "block_table"),
+        ("seq_lens-len-B+1", set_(seq_lens=torch.tensor([7, 3, 12, 1], dtype=I32)), "seq_lens"),
+        ("seq_lens-len-B-1", set_(seq_lens=torch.tensor([7, 3], dtype=I32)), "seq_lens"),
+        ("seq_lens-int64", to("seq_lens", dtype=I64), "seq_lens"),
+        ("seq_lens-meta", to("seq_lens", device=META), "seq_lens"),
+        ("query_start_loc-len-B", set_(query_start_loc=torch.tensor([0, 3, 4], dtype=I32)),
+         "query_start_loc"),
+        ("query_start_loc-len-B+2",
+         set_(query_start_loc=torch.tensor([0, 3, 4, 8, 8], dtype=I32)), "query_start_loc"),
+        ("query_start_loc-int64", to("query_start_loc", dtype=I64), "query_start_loc"),
+        ("query_start_loc-meta", to("query_start_loc", device=META), "query_start_loc"),
+        ("scale-zero", set_(scale=0.0), "scale"),
+        ("scale-negative", set_(scale=-0.125), "scale"),
+        ("sinks-shape", set_(sinks=torch.randn(2)), "sinks"),
+        ("sinks-bf16", to("sinks", dtype=BF16), "sinks"),
+        ("sinks-meta", to("sinks", device=META), "sinks"),
+    ]
+    return {_OP: attn, "block_attention_out_": attn + [
+        ("out-shape", set_(out=torch.zeros(8, 4, 32)), "out"),
+        ("out-rank2", set_(out=torch.zeros(8, 256)), "out"),
+        ("out-bf16", to("out", dtype=BF16), "out"),
+        ("out-last-stride", set_(out=strided_last(8, 4, 64)), "out"),
+        ("out-meta", to("out", device=META), "out"),
+    ]}

@@ -1,17 +1,17 @@
-"""Triton kernels, one module per op family; each registers itself with the dispatcher.
+"""Triton kernels, one module per op family (named as in ``dflash_ops/ops``); each registers its
+kernels with the dispatcher on import.
 
 Importing is skipped (the backend is then absent) when triton is not installed.
 """
+import importlib
 import importlib.util
 import logging
 
+from ..ops import FAMILIES
+
 if importlib.util.find_spec("triton") is not None:
-    from . import norm  # noqa: F401
-    from . import rope  # noqa: F401
-    from . import kv  # noqa: F401
-    from . import context  # noqa: F401
-    from . import attention  # noqa: F401
-    from . import act  # noqa: F401
+    for _family in FAMILIES:
+        importlib.import_module(f".{_family}", __name__)
     AVAILABLE = True
 else:  # pragma: no cover - triton ships with CUDA torch and in the test extras
     AVAILABLE = False

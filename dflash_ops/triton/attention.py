@@ -21,9 +21,9 @@ o *= 1 / (1 + exp(sink - lse)) for rows that see at least one key (rows that see
 Rows of q outside [query_start_loc[0], query_start_loc[B]) are zeroed by the first and the last
 request's programs.
 
-Tested under TRITON_INTERPRET=1 on CPU (fp16/fp32) and on the H200 (tests/test_block_attention_gpu.py,
-2026-11-29: passed). Measured 1.5-1.6x slower than the CUDA kernel (results/attention-*-paged.md),
-which is the default on CUDA.
+Tested under TRITON_INTERPRET=1 on CPU (fp16/fp32) and on the GPU
+(tests/test_block_attention_gpu.py). Measured 1.5-1.8x slower than the CUDA kernel
+(benchmarks/results/attention-*-paged.md), which is the default on CUDA.
 """
 from __future__ import annotations
 

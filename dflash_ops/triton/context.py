@@ -25,10 +25,7 @@ The rotation partner of each column is formed in registers: GPT-J pairs (2i, 2i+
 reshape to [BM, D/2, 2] and a split; NeoX pairs (i, i + R/2) by a reshape to
 [BM, D/R, 2, R/2] when R is a power of two (every real checkpoint), else by ``tl.gather``.
 
-``hidden_norm_weight``: either folded into the fused GEMM (the x tile scaled by the weight in
-registers, the row's sum of squares accumulated in the K loop, acc *= rstd at the end; one
-rounding of x * w instead of the reference's two), or a first ``rms_norm`` pass. The fold
-measured slower at every T on the H200, so it is off by default (CtxCfg.fold).
+``hidden_norm_weight``: a first ``rms_norm`` pass over x, whose output the GEMM reads.
 
 Configs are functions of (T, N, H, D) below, from benchmarks/sweep_context.py runs on the H200;
 no autotuning on the hot path.
@@ -69,20 +66,16 @@ def _tile_ids(pid, NUM_M, NUM_N, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _gemm_tile(x_ptr, w_ptr, g_ptr, b_ptr, rows, cols, m0, n0, T, N, H, x_st_m, x_st_k, w_st_n,
-               w_st_k, g_st, b_st, eps, TMA: tl.constexpr, HAS_NORM: tl.constexpr,
-               HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+def _gemm_tile(x_ptr, w_ptr, b_ptr, rows, cols, m0, n0, T, N, H, x_st_m, x_st_k, w_st_n,
+               w_st_k, b_st, TMA: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     # acc[BLOCK_M, BLOCK_N] = x[rows, :] @ w[cols, :]^T (+ bias[cols]) in fp32. TMA: x_ptr and
     # w_ptr are tensor descriptors (blocks [BLOCK_M, BLOCK_K] / [BLOCK_N, BLOCK_K], out-of-range
     # elements read as zero); else pointers, out-of-range rows/cols read row/col 0 (masked at
     # the store) so that only K needs masks.
-    # HAS_NORM (hidden_norm folded in): the x tile is scaled by g[k] before the dot and the
-    # row's sum of squares accumulated on the way; acc *= rstd[row] after the loop.
     k = tl.arange(0, BLOCK_K)
     cmask = cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if not TMA:
         r = tl.where(rows < T, rows, 0).to(tl.int64)
         c = tl.where(cmask, cols, 0).to(tl.int64)
@@ -99,11 +92,6 @@ def _gemm_tile(x_ptr, w_ptr, g_ptr, b_ptr, rows, cols, m0, n0, T, N, H, x_st_m, 
             kmask = (k0 + k) < H
             a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=kmask[None, :], other=0.0)
-        if HAS_NORM:
-            a32 = a.to(tl.float32)
-            ss += tl.sum(a32 * a32, axis=1)
-            g = tl.load(g_ptr + (k0 + k) * g_st, mask=(k0 + k) < H, other=0.0).to(tl.float32)
-            a = (a32 * g[None, :]).to(a.dtype)
         if a.dtype == tl.float32:  # fp32 in, fp32 math (no TF32)
             acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
         else:
@@ -111,8 +99,6 @@ def _gemm_tile(x_ptr, w_ptr, g_ptr, b_ptr, rows, cols, m0, n0, T, N, H, x_st_m, 
         if not TMA:
             a_ptrs += BLOCK_K * x_st_k
             b_ptrs += BLOCK_K * w_st_k
-    if HAS_NORM:
-        acc = acc * (1.0 / tl.sqrt(ss / H + eps))[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols * b_st, mask=cmask, other=0.0).to(tl.float32)[None, :]
     return acc
@@ -126,9 +112,9 @@ def _kv_proj_tile(tile, x_ptr, w_ptr, b_ptr, out_ptr, T, N, H, x_st_m, x_st_k, w
     pid_m, pid_n = _tile_ids(tile, NUM_M, NUM_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = _gemm_tile(x_ptr, w_ptr, b_ptr, b_ptr, rows, cols, pid_m * BLOCK_M, pid_n * BLOCK_N,
-                     T, N, H, x_st_m, x_st_k, w_st_n, w_st_k, 0, b_st, 0.0, TMA, False,
-                     HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+    acc = _gemm_tile(x_ptr, w_ptr, b_ptr, rows, cols, pid_m * BLOCK_M, pid_n * BLOCK_N,
+                     T, N, H, x_st_m, x_st_k, w_st_n, w_st_k, b_st, TMA, HAS_BIAS, BLOCK_M,
+                     BLOCK_N, BLOCK_K, EVEN_K)
     mask = (rows < T)[:, None] & (cols < N)[None, :]
     off = rows.to(tl.int64)[:, None] * o_st_m + cols[None, :]
     tl.store(out_ptr + off, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -171,14 +157,13 @@ def _partner(y, BLOCK_M: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
 
 
 @triton.jit
-def _context_tile(tile, x_ptr, w_ptr, g_ptr, b_ptr, kw_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr,
-                  vc_ptr, tab_ptr, T, N, H, HKV, n_layers, x_st_m, x_st_k, w_st_n, w_st_k, g_st,
+def _context_tile(tile, x_ptr, w_ptr, b_ptr, kw_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr,
+                  vc_ptr, tab_ptr, T, N, H, HKV, n_layers, x_st_m, x_st_k, w_st_n, w_st_k,
                   b_st, kw_st_l, kw_st_d, pos_st, P, cs_st0, cs_st1, slot_st, NSLOTS, BS, eps,
-                  NUM_M, NUM_N, TMA: tl.constexpr, HAS_NORM: tl.constexpr,
-                  FROM_KV: tl.constexpr, D: tl.constexpr, R: tl.constexpr, IS_NEOX: tl.constexpr,
-                  GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                  ALIGN: tl.constexpr):
+                  NUM_M, NUM_N, TMA: tl.constexpr, FROM_KV: tl.constexpr, D: tl.constexpr,
+                  R: tl.constexpr, IS_NEOX: tl.constexpr, GATHER: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, ALIGN: tl.constexpr):
     pid_m, pid_n = _tile_ids(tile, NUM_M, NUM_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * D + tl.arange(0, D)
@@ -187,9 +172,9 @@ def _context_tile(tile, x_ptr, w_ptr, g_ptr, b_ptr, kw_ptr, pos_ptr, cs_ptr, slo
         acc = tl.load(x_ptr + rows.to(tl.int64)[:, None] * x_st_m + cols[None, :], mask=m,
                       other=0.0).to(tl.float32)
     else:
-        acc = _gemm_tile(x_ptr, w_ptr, g_ptr, b_ptr, rows, cols, pid_m * BLOCK_M, pid_n * D, T,
-                         N, H, x_st_m, x_st_k, w_st_n, w_st_k, g_st, b_st, eps, TMA, HAS_NORM,
-                         HAS_BIAS, BLOCK_M, D, BLOCK_K, EVEN_K)
+        acc = _gemm_tile(x_ptr, w_ptr, b_ptr, rows, cols, pid_m * BLOCK_M, pid_n * D, T, N, H,
+                         x_st_m, x_st_k, w_st_n, w_st_k, b_st, TMA, HAS_BIAS, BLOCK_M, D,
+                         BLOCK_K, EVEN_K)
     dtype = kc_ptr.dtype.element_ty
     y = acc.to(dtype).to(tl.float32)  # the rounding of kv_proj_ref
 
@@ -239,19 +224,19 @@ def _context_tile(tile, x_ptr, w_ptr, g_ptr, b_ptr, kw_ptr, pos_ptr, cs_ptr, slo
 
 
 @triton.jit
-def _context_kv_kernel(x_ptr, w_ptr, g_ptr, b_ptr, kw_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr,
+def _context_kv_kernel(x_ptr, w_ptr, b_ptr, kw_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr,
                        vc_ptr, tab_ptr, T, N, H, HKV, n_layers, x_st_m, x_st_k, w_st_n, w_st_k,
-                       g_st, b_st, kw_st_l, kw_st_d, pos_st, P, cs_st0, cs_st1, slot_st, NSLOTS,
-                       BS, eps, NUM_M, NUM_N, TMA: tl.constexpr, HAS_NORM: tl.constexpr,
-                       FROM_KV: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-                       IS_NEOX: tl.constexpr, GATHER: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                       EVEN_K: tl.constexpr, ALIGN: tl.constexpr):
-    _context_tile(tl.program_id(0), x_ptr, w_ptr, g_ptr, b_ptr, kw_ptr, pos_ptr, cs_ptr,
+                       b_st, kw_st_l, kw_st_d, pos_st, P, cs_st0, cs_st1, slot_st, NSLOTS,
+                       BS, eps, NUM_M, NUM_N, TMA: tl.constexpr, FROM_KV: tl.constexpr,
+                       D: tl.constexpr, R: tl.constexpr, IS_NEOX: tl.constexpr,
+                       GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                       ALIGN: tl.constexpr):
+    _context_tile(tl.program_id(0), x_ptr, w_ptr, b_ptr, kw_ptr, pos_ptr, cs_ptr,
                   slot_ptr, kc_ptr, vc_ptr, tab_ptr, T, N, H, HKV, n_layers, x_st_m, x_st_k,
-                  w_st_n, w_st_k, g_st, b_st, kw_st_l, kw_st_d, pos_st, P, cs_st0, cs_st1,
-                  slot_st, NSLOTS, BS, eps, NUM_M, NUM_N, TMA, HAS_NORM, FROM_KV, D, R, IS_NEOX,
-                  GATHER, HAS_BIAS, BLOCK_M, BLOCK_K, GROUP_M, EVEN_K, ALIGN)
+                  w_st_n, w_st_k, b_st, kw_st_l, kw_st_d, pos_st, P, cs_st0, cs_st1,
+                  slot_st, NSLOTS, BS, eps, NUM_M, NUM_N, TMA, FROM_KV, D, R, IS_NEOX, GATHER,
+                  HAS_BIAS, BLOCK_M, BLOCK_K, GROUP_M, EVEN_K, ALIGN)
 
 
 # ------------------------------------------------------------------------------------ configs
@@ -269,21 +254,20 @@ class ProjCfg(NamedTuple):
 
 
 class CtxCfg(NamedTuple):
-    """A context_kv_ launch. split=False: one fused kernel (GEMM tile BLOCK_M x D, BLOCK_K,
-    stages; fold: hidden_norm folded into the GEMM, else a first rms_norm pass writes the normed
-    x). split=True: kv_proj's GEMM (its own config) writes kv[T, N], then the same kernel's
-    epilogue alone (bm rows x one head a program, warps) does norm + RoPE + the cache writes."""
+    """A context_kv_ launch (``hidden_norm_weight``: a first rms_norm pass writes the normed x).
+    split=False: one fused kernel (GEMM tile BLOCK_M x D, BLOCK_K, stages). split=True:
+    kv_proj's GEMM (its own config) writes kv[T, N], then the same kernel's epilogue alone
+    (bm rows x one head a program, warps) does norm + RoPE + the cache writes."""
     bm: int
     bk: int
     gm: int
     warps: int
     stages: int
     tma: bool = True
-    fold: bool = False
     split: bool = False
 
 
-# Measured on the H200 (benchmarks/NOTES.md, sweep_context.py, 2026-11-29), Qwen3-8B K/V GEMM
+# Measured on the H200 (benchmarks/sweep_context.py, benchmarks/NOTES.md), Qwen3-8B K/V GEMM
 # x[T, 4096] @ w[10240, 4096]^T, bf16: skinny T is a stream over w (84 MB, floor ~19.7 us):
 # BLOCK_N 64 with BLOCK_K 128 23.0 us at T <= 16 (cuBLAS 23.1); T = 64: 64x128 tiles 26.1 us
 # (cuBLAS 23.4). T = 256: 64x128, 3 stages, 4 warps 39.9 us (cuBLAS 33.1). Larger T is
@@ -309,9 +293,9 @@ def proj_config(t: int, n: int, h: int, elem_size: int = 2) -> ProjCfg:
 # The fused kernel (BLOCK_N = D = one head) wins while the GEMM streams w (T <= 64): Qwen3-8B
 # 23.9 us at T = 1 (bm 16, bk 128, 4 stages; F.linear 23.5), 24.8 at T = 16, 28.2 at T = 64.
 # From T = 256 on its 128 x D tiles lose to kv_proj's (55 vs 40 us at T = 256, 2528 vs 2099 at
-# 16384), so the split path runs kv_proj then the epilogue alone. hidden_norm folded into the
-# GEMM measured slower than a first rms_norm pass at every T (28.0 vs 26.2 us at T = 1, 2x at
-# T >= 64: the scaled x tile goes through registers), so fold is off by default.
+# 16384), so the split path runs kv_proj then the epilogue alone. hidden_norm is a first
+# rms_norm pass: folded into the GEMM it measured slower at every T (28.0 vs 26.2 us at T = 1,
+# 2x at T >= 64: the scaled x tile goes through registers instead of straight to the MMA).
 SPLIT_T = 64
 
 
@@ -403,9 +387,8 @@ def context_kv_(x, w_kv, bias, k_weight, positions, cos_sin_cache, slot_mapping,
     except (RuntimeError, ValueError) as e:  # the shared helper names store_kv_
         raise type(e)(str(e).replace("store_kv_", "context_kv_")) from None
     cfg = cfg or context_config(t, d, x.element_size())
-    g = hidden_norm_weight
-    if g is not None and (not cfg.fold or cfg.split or h == 0):
-        x, g = _rms_norm(x, g, eps), None
+    if hidden_norm_weight is not None:
+        x = _rms_norm(x, hidden_norm_weight, eps)
     if cfg.split:  # the GEMM, then the epilogue alone over its output
         kv = kv_proj(x, w_kv, bias)
         src, tma, bias = kv, False, None
@@ -416,14 +399,14 @@ def context_kv_(x, w_kv, bias, k_weight, positions, cos_sin_cache, slot_mapping,
     xo, wo = (src, w_kv) if cfg.split else _operands(x, w_kv, cfg.bm, d, cfg.bk, tma)
     b = bias if bias is not None else k_weight
     _context_kv_kernel[(num_m * num_n,)](
-        xo, wo, g if g is not None else k_weight, b, k_weight, positions, cos_sin_cache,
+        xo, wo, b, k_weight, positions, cos_sin_cache,
         slot_mapping, k_caches[0], v_caches[0], table, t, w_kv.shape[0], h, hkv, n_layers,
         src.stride(0), src.stride(1), w_kv.stride(0), w_kv.stride(1),
-        g.stride(0) if g is not None else 0, bias.stride(0) if bias is not None else 0,
+        bias.stride(0) if bias is not None else 0,
         k_weight.stride(0), k_weight.stride(1), positions.stride(0), cos_sin_cache.shape[0],
         cos_sin_cache.stride(0), cos_sin_cache.stride(1), slot_mapping.stride(0),
-        num_blocks * block_size, block_size, eps, num_m, num_n, TMA=tma, HAS_NORM=g is not None,
-        FROM_KV=cfg.split, D=d, R=r, IS_NEOX=bool(is_neox),
+        num_blocks * block_size, block_size, eps, num_m, num_n, TMA=tma, FROM_KV=cfg.split, D=d,
+        R=r, IS_NEOX=bool(is_neox),
         GATHER=bool(is_neox) and (r & (r - 1)) != 0, HAS_BIAS=bias is not None, BLOCK_M=cfg.bm,
         BLOCK_K=cfg.bk, GROUP_M=cfg.gm, EVEN_K=h > 0 and h % cfg.bk == 0, ALIGN=align,
         num_warps=cfg.warps, num_stages=cfg.stages)

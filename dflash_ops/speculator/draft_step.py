@@ -5,11 +5,11 @@ A step = the context precompute for up to ``max_batch * block_size`` newly commi
 rows + argmax. Inputs are copied into static buffers (``load``); the batch is padded to a
 bucket: padded context rows get position -1 (their slot is -1: written nowhere), padded block
 rows run as a scratch request slot whose cache blocks nobody reads. ``run(bucket)`` runs the
-step eagerly; ``capture(bucket)`` records it in a CUDA graph (after a warm-up on a side stream,
-under ``dispatch.graph_backends()``) and later ``run`` calls replay it. Outputs: ``tokens``
+step eagerly; ``capture(bucket)`` records it in a CUDA graph (``dispatch.capture_graph``: a
+warm-up on a side stream, then the capture) and later ``run`` calls replay it. Outputs: ``tokens``
 [bucket, B-1] (greedy drafts) and ``logits`` [bucket, B-1, V] (``DFlashDrafter.logits``: the
 model dtype unless the config scales or soft-caps them; None with ``logits=False``: greedy
-drafting), static tensors overwritten by each run.
+drafting), static tensors overwritten by each run. ``close()`` gives the scratch slot back.
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from typing import Dict, Optional
 import torch
 
 from .. import dispatch
-from .drafter import DFlashDrafter
+from ..models.drafter import DFlashDrafter
+from ..ops.loop import prepare_step_
 
 
 class DraftStep:
@@ -82,8 +83,6 @@ class DraftStep:
         request slot), and the previous verify's committed rows as context: ctx_hidden [Rc * B,
         width] with ctx_rows [Rc] (their requests) and ctx_pos [Rc, B] (positions, -1: not
         committed). One copy (ctx_hidden) + one ``prepare_step_`` launch; returns the bucket."""
-        from ..speculator.prepare import prepare_step_
-
         n_ctx = ctx_hidden.shape[0]
         if n_ctx > self.ctx_hidden.shape[0] or n_ctx != ctx_pos.numel():
             raise ValueError(f"DraftStep.load_next: ctx_hidden has {n_ctx} rows; it must have "
@@ -95,6 +94,10 @@ class DraftStep:
                       self.scratch, self.block_ids[:bucket], self.requests[:bucket],
                       self.start[:bucket], self.ctx_req, self.ctx_pos)
         return bucket
+
+    def close(self) -> None:
+        """Give the scratch request slot back to the drafter's cache."""
+        self.drafter.cache.free_request(self.scratch)
 
     def _step(self, bucket: int) -> tuple:
         d = self.drafter
@@ -112,6 +115,9 @@ class DraftStep:
         g.replay()
         self.tokens, self.logits = self._outs[bucket]
         return self.tokens, self.logits
+
+    def captured(self, bucket: int) -> bool:
+        return bucket in self._graphs
 
     def capture(self, bucket: int) -> None:
         """Record the step for ``bucket`` in a CUDA graph (inputs: the static buffers). The

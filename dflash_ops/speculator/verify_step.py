@@ -6,7 +6,8 @@ greedy tokens per row + the tap hidden states the drafter needs. Inputs are copi
 buffers (``load``); padded requests run as a scratch request slot at positions [0, B) whose
 cache blocks nobody reads. Outputs (static, overwritten by each run): ``logits`` [bucket, B, V] fp32
 (None with ``logits=False``: greedy verification, the argmax taken on the model-dtype logits),
-``post`` [bucket, B] (argmax per row) and ``taps`` [bucket * B, n_taps * H].
+``post`` [bucket, B] (argmax per row) and ``taps`` [bucket * B, n_taps * H]. ``close()`` gives
+the scratch slot back.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from .. import dispatch
+from ..ops.loop import prepare_step_
 
 
 class VerifyStep:
@@ -56,12 +58,14 @@ class VerifyStep:
         drafts[i]...]`` at ``start[rows[i]]`` (rows [R]; last, start [N] per request slot; drafts
         [R, B-1]) in one ``prepare_step_`` launch; returns the bucket. ``ids[:R]`` is then the
         verified block."""
-        from ..speculator.prepare import prepare_step_
-
         bucket = self.bucket(rows.shape[0])
         prepare_step_(rows, last, start, drafts.contiguous(), None, None, 0, self.scratch,
                       self.ids[:bucket], self.requests[:bucket], self.start[:bucket])
         return bucket
+
+    def close(self) -> None:
+        """Give the scratch request slot back to the target's cache."""
+        self.target.free_request(self.scratch)
 
     def _step(self, bucket: int) -> tuple:
         logits, taps = self.target.forward(self.ids[:bucket].reshape(-1),
@@ -79,6 +83,9 @@ class VerifyStep:
             return self._step(bucket)
         g.replay()
         return self._outs[bucket]
+
+    def captured(self, bucket: int) -> bool:
+        return bucket in self._graphs
 
     def capture(self, bucket: int) -> None:
         """Record the step for ``bucket`` (the warm-up runs it once on the loaded inputs)."""

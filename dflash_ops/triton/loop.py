@@ -1,10 +1,9 @@
-"""Acceptance and commit of a verified block in one Triton kernel: greedy (the speculator's hot
-bookkeeping: the torch version, ``speculator.accept.greedy_commit_ref``, is ~25 small launches)
-and speculative rejection sampling (``sample_commit``, below; the torch version is
-``sample_commit_ref``).
+"""Triton kernels of the loop ops (``ops/loop.py``): ``greedy_commit_`` and ``sample_commit_``
+(acceptance + commit of a verified block) and ``prepare_step_`` (a step's static inputs).
 
-One program per active request r (row ``rows[r]`` of the per-request state):
-* match = the leading drafts the target agrees with: block[r, j + 1] == post[r, j], j < B - 1;
+Commit: one program per active request r (row ``rows[r]`` of the per-request state):
+* match = the leading drafts the target agrees with (greedy: block[r, j + 1] == post[r, j],
+  j < B - 1; sampling: the rejection rule of ``sample_accept_ref``);
 * the new tokens are post[r, 0 .. match] (greedy: an accepted draft equals the target's token),
   cut after the first stop token and at max_new - n_out[row]: kept of them, written to
   out_tokens[row, n_out[row] + j];
@@ -19,6 +18,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .. import dispatch
 
 
 @triton.jit
@@ -127,55 +128,41 @@ def _sample_commit_kernel(block_ptr, p_ptr, q_ptr, u_ptr, ures_ptr, rows_ptr, n_
             ctx_pos_ptr, kept_ptr, done_ptr, out_stride, out_width, n_stop, max_new, B, SP)
 
 
-def _outputs(r, b, dev, stop_ids):
-    """(kept [R] int64, done [R] int8, ctx_pos [R, B] int64, the stop list: at least one entry
-    so the kernel has a valid pointer)."""
-    stops = stop_ids if stop_ids.numel() else torch.zeros(1, dtype=torch.long, device=dev)
-    return (torch.empty(r, dtype=torch.long, device=dev),
-            torch.empty(r, dtype=torch.int8, device=dev),
-            torch.empty(r, b, dtype=torch.long, device=dev), stops)
+def _stops(stop_ids):
+    """The stop list with at least one entry, so the kernel has a valid pointer."""
+    return stop_ids if stop_ids.numel() else stop_ids.new_zeros(1)
 
 
-def greedy_commit(block, post, rows, n_out, start, last, out_tokens, stop_ids, max_new: int):
-    """See the module docstring; block/post [R, B] int64, rows [R], n_out/start/last [N] and
-    out_tokens [N, W] int64 (updated in place), stop_ids [S]. Returns (kept [R] int64, done [R]
-    bool, ctx_pos [R, B] int64). Arguments are checked by ``speculator.accept.greedy_commit``,
-    the one caller."""
+def greedy_commit_(block, post, rows, n_out, start, last, out_tokens, stop_ids, max_new: int,
+                   kept, done, ctx_pos) -> None:
+    """``torch.ops.dflash.greedy_commit_``, one program a request (arguments checked by the
+    dispatcher)."""
     r, b = block.shape
-    dev = block.device
-    kept, done, ctx_pos, stops = _outputs(r, b, dev, stop_ids)
     if r == 0:
-        return kept, done.bool(), ctx_pos
+        return
     _greedy_commit_kernel[(r,)](
-        block.contiguous(), post.contiguous(), rows, n_out, start, last, out_tokens, stops,
-        ctx_pos, kept, done, out_tokens.stride(0), out_tokens.shape[1], stop_ids.numel(),
-        max_new, B=b, BP=triton.next_power_of_2(b),
+        block.contiguous(), post.contiguous(), rows, n_out, start, last, out_tokens,
+        _stops(stop_ids), ctx_pos, kept, done.view(torch.int8), out_tokens.stride(0),
+        out_tokens.shape[1], stop_ids.numel(), max_new, B=b, BP=triton.next_power_of_2(b),
         SP=triton.next_power_of_2(max(1, stop_ids.numel())))
-    return kept, done.bool(), ctx_pos
 
 
-def sample_commit(block, p, q, u, u_res, rows, n_out, start, last, out_tokens, stop_ids,
-                  max_new: int):
-    """Speculative rejection sampling + commit of a block, one program a request: the contract
-    of ``speculator.accept.sample_commit_ref`` (block [R, B] int64, p [R, B, V] and q [R, B-1,
-    V] fp32 with unit stride in V, u [R, B-1] and u_res [R] fp32 uniforms; the state as in
-    ``greedy_commit``). Two passes over the V probabilities of the one row drawn from (mass and
-    last nonzero token, then the inverse CDF: the first token with weight whose running sum
-    exceeds u_res * mass). Returns (kept, done, ctx_pos). Arguments are checked by
-    ``speculator.accept.sample_commit``, the one caller."""
+def sample_commit_(block, p, q, u, u_res, rows, n_out, start, last, out_tokens, stop_ids,
+                   max_new: int, kept, done, ctx_pos) -> None:
+    """``torch.ops.dflash.sample_commit_``, one program a request: two passes over the V
+    probabilities of the one row drawn from (mass and last nonzero token, then the inverse CDF:
+    the first token with weight whose running sum exceeds u_res * mass)."""
     r, b = block.shape
-    dev = block.device
     v = p.shape[-1]
-    kept, done, ctx_pos, stops = _outputs(r, b, dev, stop_ids)
     if r == 0:
-        return kept, done.bool(), ctx_pos
+        return
     _sample_commit_kernel[(r,)](
         block.contiguous(), p, q, u.contiguous(), u_res.contiguous(), rows, n_out, start, last,
-        out_tokens, stops, ctx_pos, kept, done, p.stride(0), p.stride(1), q.stride(0),
-        q.stride(1), v, out_tokens.stride(0), out_tokens.shape[1], stop_ids.numel(), max_new,
-        B=b, BP=triton.next_power_of_2(b), SP=triton.next_power_of_2(max(1, stop_ids.numel())),
+        out_tokens, _stops(stop_ids), ctx_pos, kept, done.view(torch.int8), p.stride(0),
+        p.stride(1), q.stride(0), q.stride(1), v, out_tokens.stride(0), out_tokens.shape[1],
+        stop_ids.numel(), max_new, B=b, BP=triton.next_power_of_2(b),
+        SP=triton.next_power_of_2(max(1, stop_ids.numel())),
         BV=min(4096, triton.next_power_of_2(v)))
-    return kept, done.bool(), ctx_pos
 
 
 @triton.jit
@@ -218,11 +205,10 @@ def _prepare_step_kernel(rows_ptr, last_ptr, start_ptr, drafts_ptr, ctx_rows_ptr
         tl.store(ctx_pos_out_ptr + e, zeros - 1, mask=in_c)
 
 
-def prepare_step(rows, last, start, drafts, ctx_rows, ctx_pos, fill_id: int, scratch: int,
-                 block_out, requests_out, start_out, ctx_req_out, ctx_pos_out) -> None:
-    """``speculator.prepare.prepare_step_``'s contract, one program per block row / B context
-    entries (drafts [0, B-1]: none; ctx_* empty: none). Arguments are checked there, the one
-    caller."""
+def prepare_step_(rows, last, start, drafts, ctx_rows, ctx_pos, fill_id: int, scratch: int,
+                  block_out, requests_out, start_out, ctx_req_out, ctx_pos_out) -> None:
+    """``torch.ops.dflash.prepare_step_``, one program per block row / B context entries
+    (drafts [0, B-1]: none; ctx_* empty: none)."""
     r = rows.shape[0]
     p, b = block_out.shape
     c = ctx_req_out.shape[0]
@@ -233,3 +219,8 @@ def prepare_step(rows, last, start, drafts, ctx_rows, ctx_pos, fill_id: int, scr
         rows, last, start, drafts, ctx_rows, ctx_pos, block_out, requests_out, start_out,
         ctx_req_out, ctx_pos_out, r, p, ctx_rows.shape[0], c, fill_id, scratch,
         B=b, BP=triton.next_power_of_2(b), HAS_DRAFTS=drafts.shape[0] > 0)
+
+
+dispatch.register_backend("greedy_commit_", "triton", greedy_commit_)
+dispatch.register_backend("sample_commit_", "triton", sample_commit_)
+dispatch.register_backend("prepare_step_", "triton", prepare_step_)

@@ -1,0 +1,105 @@
+"""One Qwen3 / Llama-style decoder layer on ``torch.ops.dflash``, the layer of both the drafter
+(``models.drafter``) and the target (``models.target``).
+
+Per layer: the input RMSNorm (``rms_norm`` for the first layer, then ``fused_add_rms_norm_``,
+which also adds the previous layer's MLP output into the residual stream ``x``); one GEMM
+against the fused ``[q; k; v]`` weight; ``qk_norm_rope_`` (per-head RMSNorm of q and k, then
+RoPE) or, without QK-norm (Llama), ``rope_`` on q and k; ``store_kv_`` of the new K/V at the
+tokens' cache slots; ``block_attention`` of the new tokens over the request's cached keys (the
+new ones included); ``o_proj``; ``fused_add_rms_norm_`` (residual add + post-attention norm);
+the SwiGLU MLP (``silu_mul`` between the fused gate/up GEMM and down). The MLP output is
+returned, not added: the caller adds it (the next layer's input norm, a tap, the final norm).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .. import ops  # noqa: F401  (defines torch.ops.dflash.*)
+from .linear import linear
+
+OPS = torch.ops.dflash
+
+
+@dataclass
+class Tokens:
+    """What every layer of one forward reads besides its weights: ``cfg`` (num_heads,
+    num_kv_heads, head_dim, rms_norm_eps, rope_is_neox: a DFlashConfig or TargetConfig), the
+    RoPE table, and for the T new tokens their positions [T] and cache slots [T]; the attention
+    metadata of their R requests: block tables [R, max_blocks], seq_lens [R] int32 (keys a
+    request's queries see: cached + new), query_start_loc [R + 1] int32."""
+    cfg: object
+    cos_sin: torch.Tensor
+    pos: torch.Tensor
+    slots: torch.Tensor
+    table: torch.Tensor
+    seq_lens: torch.Tensor
+    qsl: torch.Tensor
+
+
+@dataclass
+class DecoderLayer:
+    """One layer's weights (model dtype, on the model's device) and attention flags."""
+    in_ln: torch.Tensor
+    post_ln: torch.Tensor
+    qkv: torch.Tensor                  # [(Hq + 2 Hkv) * D, H]
+    qkv_b: Optional[torch.Tensor]
+    o: torch.Tensor
+    o_b: Optional[torch.Tensor]
+    q_norm: Optional[torch.Tensor]     # None (with k_norm): no QK-norm, plain RoPE
+    k_norm: Optional[torch.Tensor]
+    gate_up: torch.Tensor              # [2 I, H]: gate rows, then up rows
+    down: torch.Tensor
+    causal: bool = True
+    window: int = -1                   # block_attention's window (-1: none)
+    sinks: Optional[torch.Tensor] = None  # [Hq] fp32 attention-sink logits
+
+    @classmethod
+    def load(cls, state: dict, prefix: str, *, dtype, device, bias: bool, qk_norm: bool,
+             **attention) -> "DecoderLayer":
+        """From HF tensor names under ``prefix`` (``self_attn.q_proj.weight``, ``mlp.*``,
+        ``input_layernorm.weight``, ...); ``attention``: causal, window, sinks."""
+        def w(*names):  # the named tensors, concatenated along dim 0
+            return torch.cat([state[prefix + n] for n in names]).to(device=device,
+                                                                    dtype=dtype).contiguous()
+
+        a = "self_attn."
+        return cls(in_ln=w("input_layernorm.weight"), post_ln=w("post_attention_layernorm.weight"),
+                   qkv=w(*(f"{a}{n}_proj.weight" for n in "qkv")),
+                   qkv_b=w(*(f"{a}{n}_proj.bias" for n in "qkv")) if bias else None,
+                   o=w(a + "o_proj.weight"), o_b=w(a + "o_proj.bias") if bias else None,
+                   q_norm=w(a + "q_norm.weight") if qk_norm else None,
+                   k_norm=w(a + "k_norm.weight") if qk_norm else None,
+                   gate_up=w("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+                   down=w("mlp.down_proj.weight"), **attention)
+
+    def __call__(self, x: torch.Tensor, h: Optional[torch.Tensor], k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, t: Tokens) -> torch.Tensor:
+        """The layer on the residual stream ``x`` [T, H] (updated in place: ``x += h``, then
+        ``+= attention output``); ``h``: the previous layer's MLP output not yet added into x
+        (None for the first layer, reused as a buffer). Returns this layer's MLP output."""
+        cfg = t.cfg
+        eps = cfg.rms_norm_eps
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if h is None:
+            h = OPS.rms_norm(x, self.in_ln, eps)
+        else:  # x += h; h = norm(x)
+            OPS.fused_add_rms_norm_(h, x, self.in_ln, eps)
+        qkv = linear(h, self.qkv, self.qkv_b)
+        q = qkv[:, :hq * d].view(-1, hq, d)
+        k = qkv[:, hq * d:(hq + hkv) * d].view(-1, hkv, d)
+        v = qkv[:, (hq + hkv) * d:].view(-1, hkv, d)
+        if self.q_norm is not None:
+            OPS.qk_norm_rope_(q, k, self.q_norm, self.k_norm, t.pos, t.cos_sin, eps,
+                              cfg.rope_is_neox)
+        else:
+            OPS.rope_(q, t.pos, t.cos_sin, cfg.rope_is_neox)
+            OPS.rope_(k, t.pos, t.cos_sin, cfg.rope_is_neox)
+        OPS.store_kv_(k[:, None], v[:, None], [k_cache], [v_cache], t.slots)
+        attn = OPS.block_attention(q, k_cache, v_cache, t.table, t.seq_lens, t.qsl, d ** -0.5,
+                                   self.causal, self.window, self.sinks)
+        o = linear(attn.view(-1, hq * d), self.o, self.o_b)
+        OPS.fused_add_rms_norm_(o, x, self.post_ln, eps)  # x += o; o = norm(x)
+        return linear(OPS.silu_mul(linear(o, self.gate_up)), self.down)  # silu(gate) * up

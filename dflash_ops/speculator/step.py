@@ -1,0 +1,256 @@
+"""One draft-and-verify iteration for the active requests: the body of ``speculative_generate``'s
+loop and of the e2e benchmark's host loop (``bench.e2e``).
+
+``Iteration(target, drafter, block_size, ...)(state, rows)`` for the active requests ``rows``
+(request slots, [R] on the device), reading and updating the per-request device ``State``:
+
+1. draft: the block ``[last, MASK x (B-1)]`` at positions ``start .. start + B - 1`` of each
+   request (``start`` = the committed length before ``last``) -> B-1 greedy drafts, or drafts
+   sampled from the drafter's distribution q (``sampling``);
+2. verify: the target runs the block ``[last, drafts]`` (causal, its own paged KV) -> the
+   posterior (argmax per row), or the target's distribution p (``sampling``), and the tap
+   hidden states of every row;
+3. accept and commit, one ``ops.loop`` kernel on the device: ``greedy_commit`` keeps the
+   longest prefix where ``draft[j] == posterior[j-1]`` plus the target's token at the first
+   mismatch; ``sample_commit`` keeps draft j with probability min(1, p_{j-1}(d_j) / q_j(d_j)),
+   draws the token at the first rejection from normalise(max(p - q, 0)) and, after B-1
+   acceptances, the bonus from p (so the output has the target's distribution). Either commits
+   ``accepted + 1`` tokens cut at a stop token or max_new, and updates n_out, start, last;
+4. the committed rows' tap hidden states (rows ``0 .. accepted``) become the drafter's context
+   K/V: added at once (direct calls), or kept in ``state.pending`` for the next draft step,
+   which adds them first. KV of rejected positions stays in both caches but is never visible
+   (attention is bounded by each request's length) and is overwritten next iteration.
+
+The host reads the done flags and committed counts once an iteration (``time_stages`` adds a
+synchronisation after the draft and the verify, to time them: ``Stats.seconds``).
+
+``steps=(DraftStep, VerifyStep)`` runs draft and verify on static buffers padded to a bucket
+(the next power of two of the active requests, at most the batch), filled from the state by one
+``prepare_step_`` launch each; the padded rows run as the steps' scratch request slot. With
+``graphs`` each step's CUDA graph is captured on the first use of a bucket (one sync, its time
+in ``Stats.seconds["capture"]``) and replayed from then on.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+import torch
+
+from ..ops.loop import greedy_commit, sample_commit
+
+
+@dataclass
+class Stats:
+    iterations: int = 0
+    committed: int = 0
+    host_syncs: int = 0  # device-to-host reads, and synchronisations on CUDA
+    steps: str = "direct"
+    acceptance: List[int] = field(default_factory=list)  # tokens committed per request-iteration
+    seconds: dict = field(default_factory=lambda: {"prefill": 0.0, "draft": 0.0,
+                                                   "verify": 0.0, "accept": 0.0,
+                                                   "capture": 0.0})
+
+    @property
+    def mean_acceptance(self) -> float:
+        return sum(self.acceptance) / max(1, len(self.acceptance))
+
+
+def sync_device(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _check_sampling(temperature: float, top_p: float, top_k: int) -> None:
+    if temperature <= 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise ValueError(f"sampling needs temperature > 0, top_p in (0, 1], top_k >= 0; got "
+                         f"{temperature}, {top_p}, {top_k}")
+
+
+def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
+                      top_k: int = 0) -> torch.Tensor:
+    """Sampling distribution over the last dim: softmax(logits / temperature), cut to the top_k
+    tokens (0: all) and to the smallest set whose mass reaches top_p, renormalised."""
+    _check_sampling(temperature, top_p, top_k)
+    z = logits.float() / temperature
+    if 0 < top_k < z.shape[-1]:
+        kth = z.topk(top_k, dim=-1).values[..., -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    p = torch.softmax(z, dim=-1)
+    if top_p < 1:
+        sp, order = p.sort(dim=-1, descending=True)
+        keep = sp.cumsum(-1) - sp < top_p  # the tokens needed to reach top_p
+        p = torch.zeros_like(p).scatter(-1, order, sp * keep)
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling settings (``probs_from_logits``'s); ``generator``: on the target's device, for
+    every random draw."""
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = 0
+    generator: Optional[torch.Generator] = None
+
+    def __post_init__(self):
+        _check_sampling(self.temperature, self.top_p, self.top_k)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return probs_from_logits(logits, self.temperature, self.top_p, self.top_k)
+
+    def draw(self, p: torch.Tensor) -> torch.Tensor:
+        """One token per distribution p [..., V]."""
+        return torch.multinomial(p.reshape(-1, p.shape[-1]), 1,
+                                 generator=self.generator).view(p.shape[:-1])
+
+
+@dataclass
+class State:
+    """The loop's per-request device state, indexed by request slot (N of them; int64):
+    out_tokens [N, W] the committed tokens (n_out [N] of them), last [N] the last committed
+    token, start [N] its position; the commit kernels update them in place. stop [S]: the stop
+    token ids; max_new: the tokens a request may commit. pending: the last verify's committed
+    rows, for the next draft step to add as context (steps only): (taps [Rc * B, width], their
+    request slots [Rc], positions [Rc, B], -1 where not committed)."""
+    out_tokens: torch.Tensor
+    n_out: torch.Tensor
+    last: torch.Tensor
+    start: torch.Tensor
+    stop: torch.Tensor
+    max_new: int
+    pending: tuple
+
+    @classmethod
+    def after_prefill(cls, first: torch.Tensor, prompt_lens, stop_ids, max_new: int,
+                      block: int, ctx_width: int, ctx_dtype) -> "State":
+        """Each request's first token (first [N]) committed at position its prompt length; no
+        pending context rows (the prefill added them)."""
+        n, dev = first.shape[0], first.device
+        out = torch.zeros(n, max_new + block + 1, dtype=torch.long, device=dev)
+        out[:, 0] = first
+        long = dict(dtype=torch.long, device=dev)
+        return cls(out, torch.ones(n, **long), first.clone(), torch.tensor(prompt_lens, **long),
+                   torch.tensor(sorted(stop_ids), **long), max_new,
+                   (torch.zeros(0, ctx_width, dtype=ctx_dtype, device=dev),
+                    torch.zeros(0, **long), torch.zeros(0, block, **long)))
+
+
+class Iteration:
+    """The iteration (module docstring) for a target / drafter pair: direct model calls, or the
+    static ``steps`` (a DraftStep and a VerifyStep of ``block_size``), captured as CUDA graphs
+    with ``graphs``. ``stats``: where the counters and stage times go (a fresh Stats by
+    default)."""
+
+    def __init__(self, target, drafter, block_size: int, *, sampling: Optional[Sampling] = None,
+                 steps: Optional[tuple] = None, graphs: bool = False,
+                 stats: Optional[Stats] = None, time_stages: bool = False):
+        self.target, self.drafter, self.b = target, drafter, block_size
+        self.sampling = sampling
+        self.dstep, self.vstep = steps if steps is not None else (None, None)
+        self.graphs = graphs
+        self.stats = Stats() if stats is None else stats
+        self.device = target.device
+        self.sync_stages = time_stages and torch.device(self.device).type == "cuda"
+
+    def __call__(self, state: State, rows: torch.Tensor) -> Tuple[List[bool], List[int]]:
+        """One iteration of the requests ``rows`` [R]: (done, tokens committed) per request."""
+        st = self.stats
+        t0 = time.perf_counter()
+        drafts, q, spent = self._draft(state, rows)
+        t0 += spent  # capture time is not draft time
+        self._stage_done()
+        t1 = time.perf_counter()
+        block, post, logits, taps, spent = self._verify(state, rows, drafts)
+        t1 += spent
+        self._stage_done()
+        t2 = time.perf_counter()
+        kept, fin = self._commit(state, rows, block, post, logits, q, taps)
+        flags = torch.stack([fin.long(), kept]).tolist()  # the iteration's one host read
+        st.host_syncs += 1
+        t3 = time.perf_counter()
+        st.seconds["draft"] += t1 - t0
+        st.seconds["verify"] += t2 - t1
+        st.seconds["accept"] += t3 - t2
+        st.acceptance.extend(flags[1])
+        st.iterations += 1
+        return [bool(f) for f in flags[0]], flags[1]
+
+    def _stage_done(self) -> None:
+        if self.sync_stages:
+            sync_device(self.device)
+            self.stats.host_syncs += 1
+
+    def _capture(self, step, bucket: int) -> float:
+        """With ``graphs``: capture step's graph for ``bucket`` on first use; the seconds spent."""
+        if not self.graphs or step.captured(bucket):
+            return 0.0
+        t = time.perf_counter()
+        step.capture(bucket)
+        sync_device(self.device)
+        self.stats.host_syncs += 1
+        spent = time.perf_counter() - t
+        self.stats.seconds["capture"] += spent
+        return spent
+
+    def _draft(self, state: State, rows: torch.Tensor) -> tuple:
+        """(drafts [R, B-1], q [R, B-1, V] (sampling) or None, seconds spent capturing)."""
+        r, spent = rows.shape[0], 0.0
+        want_logits = self.sampling is not None
+        if self.dstep is not None:  # the block and context rows: one prepare_step_ launch
+            bucket = self.dstep.load_next(rows, state.last, state.start, *state.pending)
+            spent = self._capture(self.dstep, bucket)
+            drafts, z = self.dstep.run(bucket)
+            drafts, z = drafts[:r], (None if z is None else z[:r])
+        else:
+            block = torch.full((r, self.b), self.drafter.cfg.mask_token_id, dtype=torch.long,
+                               device=self.device)
+            block[:, 0] = state.last[rows]
+            drafts, z = self.drafter.propose(block, rows, state.start[rows], logits=want_logits)
+        if self.sampling is None:
+            return drafts, None, spent
+        q = self.sampling.probs(z)  # [R, B-1, V]
+        return self.sampling.draw(q), q, spent
+
+    def _verify(self, state: State, rows: torch.Tensor, drafts: torch.Tensor) -> tuple:
+        """(block [R, B] = [last, drafts], post [R, B] (greedy) or None, logits [R, B, V] fp32
+        (sampling) or unused, taps [R * B, width], seconds spent capturing)."""
+        r, spent = rows.shape[0], 0.0
+        if self.vstep is not None:  # the block: one prepare_step_ launch
+            bucket = self.vstep.load_next(rows, state.last, state.start, drafts)
+            spent = self._capture(self.vstep, bucket)
+            logits, post, taps = self.vstep.run(bucket)
+            block, post, taps = self.vstep.ids[:r], post[:r], taps[:r * self.b]
+            logits = None if logits is None else logits[:r]
+        else:
+            block = torch.cat([state.last[rows, None], drafts], 1)
+            logits, taps = self.target.forward(
+                block.reshape(-1), rows, state.start[rows],
+                torch.full((r,), self.b, device=self.device), self.drafter.cfg.target_layer_ids,
+                fp32_logits=self.sampling is not None)
+            logits = logits.view(r, self.b, -1)
+            post = logits.argmax(-1) if self.sampling is None else None
+        return block, post, logits, taps, spent
+
+    def _commit(self, state: State, rows, block, post, logits, q, taps) -> tuple:
+        """Accept, commit and update the state (one kernel on CUDA); the committed rows' taps
+        to the drafter (or state.pending). (kept [R], done [R]) on the device."""
+        s = state
+        if self.sampling is not None:
+            r, g = rows.shape[0], self.sampling.generator
+            p = self.sampling.probs(logits)  # [R, B, V]
+            u = torch.rand((r, self.b - 1), device=self.device, generator=g)
+            u_res = torch.rand((r,), device=self.device, generator=g)
+            kept, fin, ctx_pos = sample_commit(block, p, q, u, u_res, rows, s.n_out, s.start,
+                                               s.last, s.out_tokens, s.stop, s.max_new)
+        else:
+            kept, fin, ctx_pos = greedy_commit(block, post, rows, s.n_out, s.start, s.last,
+                                               s.out_tokens, s.stop, s.max_new)
+        if self.dstep is not None:  # added by the next draft step
+            s.pending = (taps, rows, ctx_pos)
+        else:
+            self.drafter.add_context(taps, rows[:, None].expand(-1, self.b).reshape(-1),
+                                     ctx_pos.reshape(-1))
+        return kept, fin

@@ -1,0 +1,102 @@
+"""CPU tests of the benchmark plumbing: suite options on the command line (``harness.main``,
+the runners under benchmarks/) and the host-overhead table by backend (``columns``)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_ops import dispatch
+from dflash_ops.bench import columns, harness
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_name_list_keeps_known_order_and_rejects_unknown():
+    parse = harness.name_list(("a", "b", "c"), "tables")
+    assert parse("c, a") == ["a", "c"]
+    with pytest.raises(Exception, match=r"unknown tables \['x'\]; tables are \['a', 'b', 'c'\]"):
+        parse("a,x")
+
+
+@pytest.fixture
+def fake_suite(monkeypatch):
+    """A suite ``fake`` whose run records its arguments; CUDA reported available."""
+    mod = types.ModuleType("fake_bench_suite")
+    seen = {}
+    res = harness.Results("fake", meta={"date": "d"})  # before CUDA is faked (env_info)
+
+    def add_options(p):
+        p.add_argument("--tables", type=harness.name_list(("a", "b"), "tables"), default=None)
+
+    def run(quick=False, tables=None):
+        seen.update(quick=quick, tables=tables)
+        return res
+
+    mod.add_options, mod.run = add_options, run
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.setitem(harness.SUITES, "fake", (mod.__name__, "a test suite"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    return seen
+
+
+def test_suite_options_reach_run_and_the_results(fake_suite, tmp_path):
+    assert harness.main(["fake", "--quick", "--tables", "b", "--out", str(tmp_path),
+                         "--no-plot"]) == 0
+    assert fake_suite == {"quick": True, "tables": ["b"]}
+    meta = json.loads((tmp_path / "fake.json").read_text())
+    assert meta["options"] == {"tables": ["b"]}
+    assert "options: tables=['b']" in (tmp_path / "fake.md").read_text()
+
+
+def test_suite_options_need_one_suite(fake_suite, capsys):
+    with pytest.raises(SystemExit) as e:
+        harness.main(["fake", "norm", "--tables", "a"])
+    assert e.value.code == 2 and not fake_suite
+    assert "accepted with one suite named" in capsys.readouterr().err
+
+
+def test_bad_option_value_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        harness.main(["attention", "--cases", "1x100"])
+    assert e.value.code == 2
+    assert "'1x100': need B >= 1 and S a multiple of 16" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("suite, options", [
+    ("norm", ["--tables"]),
+    ("attention", ["--cases", "--tables", "--no-flex"]),
+    ("context_kv", ["--models", "--tables", "--no-compiled-chain"]),
+])
+def test_runner_help_lists_the_suite_options(suite, options):
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"bench_{suite}.py"), "--help"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert f"{suite} options" in p.stdout
+    for opt in options:
+        assert opt in p.stdout
+
+
+@pytest.mark.skipif(dispatch.has_backend("rms_norm", "cuda"), reason="CPU-only build expected")
+@pytest.mark.parametrize("syncs", [(), ("rms_norm",)])
+def test_backend_host_table_runs_each_backend_it_names(monkeypatch, syncs):
+    """The default column runs the backend the op resolves to, each other column its backend
+    forced; backends the op lacks (cuda in a CPU build) and the torch backend of an op that
+    synchronises are n/a."""
+    ran = []
+    monkeypatch.setattr(columns, "host_overhead_us", lambda fn: (ran.append(fn()), len(ran))[1])
+    res = harness.Results("t", meta={"date": "d"})
+    columns.backend_host_table(res, "host", {"rms_norm": lambda: dispatch.resolve("rms_norm")},
+                               syncs=syncs)
+    (row,) = res.rows
+    default = dispatch.resolve("rms_norm")
+    assert row["op"] == "rms_norm" and row["default"] == default
+    assert ran == [default, "triton"] + ([] if syncs else ["torch"])
+    assert row["default us"] == 1 and row["triton us"] == 2 and row["cuda us"] is None
+    assert row["torch us"] == (None if syncs else 3)
+    assert ("torch: not measured (synchronises)" in row["note"]) == bool(syncs)

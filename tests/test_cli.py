@@ -1,0 +1,190 @@
+"""The ``dflash-ops`` command line: every bad option value is one ``error:`` line naming the
+option, with exit code 2, before any model is built; ``--version``; ``--help`` of the demo."""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+import pytest
+import torch
+
+from dflash_ops.cli import build_parser, main
+
+
+def _run(argv, capsys):
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse exits; the demo's own checks return 2
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _assert_usage_error(argv, option, capsys):
+    rc, out, err = _run(argv, capsys)
+    assert rc == 2, (rc, out, err)
+    assert out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"dflash-ops {argv[0]}: error: "), err
+    assert option in lines[0], err
+    return lines[0]
+
+
+BAD_VALUES = [
+    (["--device", "tpu"], "--device", "'tpu'"),
+    (["--device", "cuda:x"], "--device", "'cuda:x'"),
+    (["--device", "cpu:1"], "--device", "'cpu:1'"),
+    (["--block-size", "-3"], "--block-size", "'-3'"),
+    (["--block-size", "0"], "--block-size", "'0'"),
+    (["--block-size", "1"], "--block-size", "'1'"),
+    (["--batch", "0"], "--batch", "'0'"),
+    (["--threads", "0"], "--threads", "'0'"),
+    (["--prompt-len", "-1"], "--prompt-len", "'-1'"),
+    (["--max-new-tokens", "abc"], "--max-new-tokens", "'abc'"),
+    (["--seed", str(2 ** 64)], "--seed", f"'{2 ** 64}'"),
+    (["--seed", "1.5"], "--seed", "'1.5'"),
+    (["--dtype", "int8"], "--dtype", "'int8'"),
+    (["--steps", "fast"], "--steps", "'fast'"),
+    (["--device", "cpu", "--steps", "graphs"], "--steps", "'graphs'"),
+    (["--target", "/nonexistent/dir"], "--draft", "/nonexistent/dir"),
+    (["--target", "/nonexistent/dir", "--draft", "/nonexistent/dir"], "--target",
+     "/nonexistent/dir"),
+]
+
+
+@pytest.mark.parametrize("argv,option,given", BAD_VALUES, ids=[" ".join(a) for a, _, _ in
+                                                               BAD_VALUES])
+def test_demo_bad_value_is_one_line_naming_the_option(argv, option, given, capsys):
+    line = _assert_usage_error(["demo", *argv], option, capsys)
+    assert given in line
+    assert "allowed" in line or "choose from" in line or "go together" in line, line
+
+
+def test_cuda_device_without_a_gpu_is_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    for cmd in ("demo", "check"):
+        line = _assert_usage_error([cmd, "--device", "cuda"], "--device", capsys)
+        assert "has no CUDA device; allowed here: cpu" in line, line
+
+
+def test_check_bad_device_is_one_line(capsys):
+    _assert_usage_error(["check", "--device", "tpu"], "--device", capsys)
+
+
+def _qwen3_config(**over):
+    d = dict(model_type="qwen3", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, intermediate_size=96, vocab_size=128,
+             max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=1000.0,
+             tie_word_embeddings=False, attention_bias=False)
+    d.update(over)
+    return d
+
+
+def _write(dir_, config) -> str:
+    dir_.mkdir()
+    (dir_ / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    return str(dir_)
+
+
+def test_broken_checkpoints_are_one_line_naming_the_option(tmp_path, capsys):
+    from dflash_ops.bench.drafter import QWEN3_8B_DFLASH
+
+    good_target = _write(tmp_path / "target", _qwen3_config())  # config only: no weights
+    good_draft = _write(tmp_path / "draft", QWEN3_8B_DFLASH)
+    bad_json = _write(tmp_path / "bad_json", "{not json")
+    no_config = str(tmp_path)
+    cases = [  # (target, draft) -> the option named, a fragment of the cause
+        ((bad_json, good_draft), "--target", "not valid JSON"),
+        ((good_target, bad_json), "--draft", "not valid JSON"),
+        ((no_config, good_draft), "--target", "without config.json"),
+        ((good_target, no_config), "--draft", "without config.json"),
+        ((_write(tmp_path / "llama2", _qwen3_config(model_type="gpt2")), good_draft), "--target",
+         "model_type"),
+        ((good_target, good_draft), "--target", "safetensors"),
+    ]
+    for (t, d), option, cause in cases:
+        line = _assert_usage_error(["demo", "--device", "cpu", "--target", t, "--draft", d],
+                                   option, capsys)
+        assert cause in line, line
+
+
+def test_no_command_is_one_line(capsys):
+    rc, out, err = _run([], capsys)
+    assert rc == 2 and len(err.splitlines()) == 1 and "demo" in err, err
+
+
+def test_version(capsys):
+    import dflash_ops
+    rc, out, err = _run(["--version"], capsys)
+    assert rc == 0 and out.strip() == f"dflash-ops {dflash_ops.__version__}", (out, err)
+
+
+def test_every_demo_option_has_help_with_its_default(capsys):
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    demo = sub.choices["demo"]
+    options = [a for a in demo._actions if not isinstance(a, argparse._HelpAction)]
+    assert len(options) >= 10
+    rc, out, _ = _run(["demo", "--help"], capsys)
+    assert rc == 0
+    for a in options:
+        assert a.help and "default" in a.help, a.option_strings
+        assert a.option_strings[0] in out
+
+
+def test_demo_runs_small_on_cpu(capsys):
+    threads = torch.get_num_threads()
+    rc, out, err = _run(["demo", "--device", "cpu", "--batch", "1", "--prompt-len", "4",
+                         "--max-new-tokens", "5", "--block-size", "3", "--no-stage-times"],
+                        capsys)
+    assert rc == 0, out + err
+    assert "output equals plain greedy decoding: yes" in out
+    assert "warm-up" in err and "time in" not in out
+    assert "plain greedy through loop.plain_greedy" in out
+    assert "cpu (1 thread)" in out and torch.get_num_threads() == threads  # restored
+
+
+def _tiny(device="cpu"):
+    from dflash_ops.speculator import demo
+    target, drafter = demo._tiny_pair(device, torch.float32, 4, 64, 2)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 500, (6,), generator=g).tolist() for _ in range(2)]
+    return target, drafter, prompts
+
+
+def test_a_difference_reports_index_tokens_and_the_top2_gap():
+    from dflash_ops.speculator import demo
+    from dflash_ops.speculator.loop import plain_greedy
+    target, _, prompts = _tiny()
+    want = plain_greedy(target, prompts, 8)
+    got = [list(want[0]), list(want[1])]
+    got[1][5] = (want[1][5] + 1) % 500
+    lines = demo._differences(target, prompts, got, want)
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert line.startswith("  request 1: first difference at new token 5: ")
+    assert f"plain greedy {want[1][5]}, DFlash {got[1][5]}" in line
+    # the recomputed top-1 is the token plain greedy took there (fp32)
+    assert f"target top-2 there: {want[1][5]} (" in line and "gap " in line
+    assert demo._differences(target, prompts, want, want) == []
+
+
+@pytest.mark.gpu
+def test_graphed_decode_equals_plain_greedy_on_gpu():
+    from dflash_ops.speculator import demo
+    from dflash_ops.speculator.loop import plain_greedy
+    target, _, prompts = _tiny("cuda")
+    want = plain_greedy(target, prompts, 9)
+    got, seconds = demo._decode_graphed(target, prompts, 9)
+    assert got == want and seconds > 0
+
+
+def test_info_lists_every_op_with_its_default(capsys):
+    from dflash_ops import dispatch
+    rc, out, _ = _run(["info"], capsys)
+    assert rc == 0
+    for name, op in dispatch.ops().items():
+        row = (rf"^{name} +(yes|-) +(yes|-) +(yes|-) +{op.default} +{op.eager or '-'} "
+               rf"+\w+ / \w+$")
+        assert re.search(row, out, re.M), name
