@@ -57,6 +57,14 @@ class PagedKVCache:
         row[:n] = torch.tensor(blocks, dtype=torch.int32)
         self.block_table[r].copy_(row)
 
+    def in_use(self) -> list:
+        """The request slots that hold blocks, sorted."""
+        return sorted(self._owned)
+
+    def free_blocks(self) -> int:
+        """How many blocks no request holds."""
+        return len(self._free)
+
     def free_request(self, r: int) -> None:
         self._free.extend(reversed(self._owned.pop(r)))
         self.block_table[r].fill_(self.num_blocks)

@@ -31,6 +31,7 @@ from .. import ops  # noqa: F401  (defines torch.ops.dflash.*)
 from ..ops.rope import make_cos_sin_cache
 from .cache import PagedKVCache
 from .config import DFlashConfig
+from .hf_config import rope_table_len
 from .layer import DecoderLayer, Tokens
 from .linear import linear
 from .weights import check_drafter_state, stack_kv
@@ -76,10 +77,11 @@ class DFlashDrafter:
             qk_norm=True, causal=cfg.layer_causal(i), window=cfg.layer_window(i),
             sinks=(state[f"layers.{i}.self_attn.sinks"].to(device=dev, dtype=torch.float32)
                    if cfg.attention_sinks else None)) for i in range(cfg.num_layers)]
-        self.cos_sin = make_cos_sin_cache(max(cfg.max_position_embeddings, max_len),
-                                          cfg.rotary_dim, base=cfg.rope_theta, device=dev)
         self.cache = PagedKVCache(cfg.num_layers, num_blocks, cache_block_size, cfg.num_kv_heads,
                                   cfg.head_dim, max_requests, max_len, dtype, dev)
+        # RoPE table: a huge max_position_embeddings (1e9: an 8 GB table) is capped (hf_config)
+        self.cos_sin = make_cos_sin_cache(rope_table_len(cfg.max_position_embeddings, max_len),
+                                          cfg.rotary_dim, base=cfg.rope_theta, device=dev)
 
     # ------------------------------------------------------------------------------ context
     def add_context(self, tap_hidden: torch.Tensor, requests: torch.Tensor,

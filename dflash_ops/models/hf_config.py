@@ -59,11 +59,28 @@ def as_float(value: Any, source: str, field: str) -> float:
         raise fail(source, field, f"must be a number, got {value!r}") from None
 
 
+# The cos/sin table keeps rows past the caches' max_len up to this many positions (the largest
+# max_position_embeddings of the supported models): a larger cache swapped in later (the e2e
+# bench builds with a one-block cache) still finds its positions rotated.
+ROPE_TABLE_MIN_CAP = 1 << 18
+
+
+def rope_table_len(max_position_embeddings: int, max_len: int) -> int:
+    """Rows of the cos/sin table of a model whose KV cache holds ``max_len`` positions per
+    request: ``max(max_position_embeddings, max_len)``, but no more than
+    ``max(max_len, ROPE_TABLE_MIN_CAP)``: positions past the cache have no slot, and a huge
+    max_position_embeddings (1e9: an 8 GB table) must allocate nothing big."""
+    return min(max(max_position_embeddings, max_len), max(max_len, ROPE_TABLE_MIN_CAP))
+
+
 def read_json(path: "str | os.PathLike") -> tuple:
     """(the JSON object, its file name) of ``path``: a config.json or the directory holding it."""
     source = os.fspath(path)
+    want = "a checkpoint directory holding config.json (or the config.json file)"
     if os.path.isdir(source):
         source = os.path.join(source, "config.json")
+    elif source.endswith(".safetensors") and os.path.isfile(source):
+        raise ValueError(f"{source}: expected {want}, got a safetensors weights file")
     if not os.path.isfile(source):
         raise FileNotFoundError(f"{source}: no such config file")
     try:
@@ -71,6 +88,9 @@ def read_json(path: "str | os.PathLike") -> tuple:
             d = json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"{source}: not valid JSON ({e})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{source}: expected {want}; config.json must be UTF-8 JSON, got "
+                         f"non-UTF-8 bytes ({e})") from None
     if not isinstance(d, dict):
         raise ValueError(f"{source}: expected a JSON object, got {type(d).__name__}")
     return d, source
@@ -250,7 +270,8 @@ def layer_fields(lc: dict, source: str, prefix: str = "", *, extra: tuple = (),
         rms_norm_eps=lc.get("rms_norm_eps", 1e-6), rope_theta=theta,
         rope_scaling=rp if rp is not None else rs, rotary_dim=rotary_dim,
         rope_is_neox=rope_is_neox, attention_bias=bool(lc.get("attention_bias", False)),
-        max_position_embeddings=lc.get("max_position_embeddings",
-                                       defaults["max_position_embeddings"]),
+        max_position_embeddings=as_int(lc.get("max_position_embeddings",
+                                              defaults["max_position_embeddings"]),
+                                       source, prefix + "max_position_embeddings"),
         layer_types=list(layer_types), sliding_window=window,
     )

@@ -27,10 +27,10 @@ import torch.nn.functional as F
 from .. import ops  # noqa: F401  (defines torch.ops.dflash.*)
 from ..ops.rope import HEAD_DIMS, make_cos_sin_cache
 from .cache import PagedKVCache
-from .hf_config import SLIDING, fail, layer_fields, read_json
+from .hf_config import SLIDING, fail, layer_fields, read_json, rope_table_len
 from .layer import DecoderLayer, Tokens
 from .linear import linear
-from .weights import load_state
+from .weights import check_float, load_state
 
 __all__ = ["TargetConfig", "Target", "expected_target_shapes", "check_target_state",
            "random_state"]
@@ -154,6 +154,7 @@ def check_target_state(state: dict, cfg: TargetConfig) -> None:
                         "tie_word_embeddings is true")
     if problems:
         raise ValueError(f"Target weights for {cfg.source}: " + "; ".join(problems))
+    check_float(state, cfg.source)
 
 
 def random_state(cfg: TargetConfig, seed: int = 0) -> dict:
@@ -196,10 +197,11 @@ class Target:
         self.layers = [DecoderLayer.load(state, f"model.layers.{i}.", dtype=dtype, device=dev,
                                          bias=cfg.attention_bias, qk_norm=cfg.qk_norm)
                        for i in range(cfg.num_layers)]
-        self.cos_sin = make_cos_sin_cache(max(cfg.max_position_embeddings, max_len),
-                                          cfg.head_dim, base=cfg.rope_theta, device=dev)
         self.cache = PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
                                   cfg.head_dim, max_requests, max_len, dtype, dev)
+        # RoPE table: a huge max_position_embeddings (1e9: an 8 GB table) is capped (hf_config)
+        self.cos_sin = make_cos_sin_cache(rope_table_len(cfg.max_position_embeddings, max_len),
+                                          cfg.head_dim, base=cfg.rope_theta, device=dev)
 
     # ------------------------------------------------------------------------------ building
     @classmethod

@@ -10,44 +10,99 @@ from __future__ import annotations
 import copy
 import json
 import os
+from pathlib import Path
 from typing import Optional
 
 import torch
 
 from .config import DFlashConfig, _fc_mismatch, default_target_layer_ids
 
-__all__ = ["load_state", "check_drafter_state", "expected_shapes", "stack_kv", "save_zlab",
-           "save_speculators", "zlab_to_speculators"]
+__all__ = ["load_state", "check_float", "check_drafter_state", "expected_shapes", "stack_kv",
+           "save_zlab", "save_speculators", "zlab_to_speculators"]
 
 _CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 
 
 # ---------------------------------------------------------------------------------- loading
-def load_state(path: "str | os.PathLike") -> dict:
-    """Tensors from a ``.safetensors`` file, or a directory holding ``model.safetensors`` or a
-    sharded ``model.safetensors.index.json`` (its ``weight_map``). Loaded on the CPU."""
+# Integer / bool maps a drafter checkpoint may ship (reduced vocabulary <-> target ids); every
+# other tensor is a weight and must be floating point.
+INT_MAPS = ("d2t", "t2d")
+
+
+def _is_map(name: str) -> bool:
+    return (name[len("model."):] if name.startswith("model.") else name) in INT_MAPS
+
+
+def check_float(state: dict, source: str) -> None:
+    """One-line ValueError naming every non-floating tensor (but the integer maps) of ``state``,
+    its dtype and ``source``: an integer or bool weight would load and run, silently wrong."""
+    bad = [f"{n} is {t.dtype}" for n, t in state.items()
+           if not _is_map(n) and not t.is_floating_point()]
+    if bad:
+        raise ValueError(f"{source}: weights must be floating point (float32/16, bfloat16, fp8), "
+                         f"got {', '.join(bad)}")
+
+
+def _load_file(file: str) -> dict:
+    """The tensors of one safetensors file (CPU); a corrupt file raises a ValueError naming it."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    try:
+        tensors = dict(load_file(file, device="cpu"))
+    except SafetensorError as e:
+        raise ValueError(f"{file}: not a valid safetensors file ({e})") from None
+    check_float(tensors, file)
+    return tensors
+
+
+def _shard_file(directory: str, index: str, name: str, shard) -> str:
+    """The path of ``shard`` (a weight_map entry), which must name a file inside ``directory``:
+    no absolute path, no ``..`` escape, no directory symlink leading out. A symlinked *file*
+    inside the directory is followed (HF hub cache snapshots link every file to ../../blobs)."""
+    if not isinstance(shard, str):
+        raise ValueError(f"{index}: weight_map[{name!r}]: expected a shard file name (string), "
+                         f"got {type(shard).__name__} {shard!r}")
+    root = Path(directory).resolve()
+    file = Path(directory, shard)
+    inside = (shard and not Path(shard).is_absolute()
+              and os.path.normpath(shard).split(os.sep)[0] not in ("..", "")
+              and file.parent.resolve().is_relative_to(root))
+    if not inside:
+        raise ValueError(f"{index}: weight_map[{name!r}] = {shard!r}: expected a file inside the "
+                         f"checkpoint directory {root}")
+    return str(file)
+
+
+def load_state(path: "str | os.PathLike") -> dict:
+    """Tensors from a ``.safetensors`` file, or a directory holding ``model.safetensors`` or a
+    sharded ``model.safetensors.index.json`` (its ``weight_map``). Loaded on the CPU.
+
+    Errors (ValueError) name the file: a corrupt safetensors file, a non-floating weight, a
+    malformed index or one naming a shard outside the directory."""
     path = os.fspath(path)
     if os.path.isfile(path):
-        return dict(load_file(path, device="cpu"))
+        return _load_file(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: no such checkpoint file or directory")
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            try:
+        try:
+            with open(index, encoding="utf-8") as f:
                 weight_map = json.load(f)["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{index}: not a safetensors index with a weight_map ({e!r})")
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: not a safetensors index with a weight_map ({e!r})")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: weight_map: expected a JSON object (tensor name -> shard "
+                             f"file), got {type(weight_map).__name__}")
         state, by_file = {}, {}
         for name, shard in weight_map.items():
-            by_file.setdefault(shard, []).append(name)
-        for shard, names in sorted(by_file.items()):
-            file = os.path.join(path, shard)
+            by_file.setdefault(_shard_file(path, index, name, shard), []).append((name, shard))
+        for file, entries in sorted(by_file.items()):
+            shard, names = entries[0][1], [n for n, _ in entries]
             if not os.path.isfile(file):
                 raise FileNotFoundError(f"{index}: shard {shard} (for {names[0]}, ...) is missing")
-            tensors = load_file(file, device="cpu")
+            tensors = _load_file(file)
             absent = [n for n in names if n not in tensors]
             if absent:
                 raise ValueError(f"{index}: weight_map puts {absent} in {shard}, which lacks them")
@@ -56,7 +111,7 @@ def load_state(path: "str | os.PathLike") -> dict:
         return state
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(single):
-        return dict(load_file(single, device="cpu"))
+        return _load_file(single)
     raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
 
 
@@ -140,7 +195,22 @@ def check_drafter_state(state: dict, cfg: DFlashConfig, source: Optional[str] = 
     if problems:
         raise ValueError(f"{source}: drafter weights do not match the config ({cfg.source}); "
                          f"{len(problems)} problem(s):\n  " + "\n  ".join(problems))
+    check_float(norm, source)
+    if "d2t" in norm:
+        _check_d2t(norm["d2t"], cfg, source)
     return norm
+
+
+def _check_d2t(d2t: torch.Tensor, cfg: DFlashConfig, source: str) -> None:
+    """Draft id i maps to target id ``i + d2t[i]``, which must lie in [0, vocab_size): a map
+    leading out of the target vocabulary would only fail (IndexError) at the first draft."""
+    target = torch.arange(d2t.numel()) + d2t.reshape(-1).long()
+    bad = ((target < 0) | (target >= cfg.vocab_size)).nonzero().reshape(-1)
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(f"{source}: d2t: draft id i must map to a target id i + d2t[i] in "
+                         f"[0, vocab_size={cfg.vocab_size}), got {bad.numel()} outside (first: "
+                         f"d2t[{i}] = {int(d2t.reshape(-1)[i])} -> {int(target[i])})")
 
 
 def _fmt(shapes) -> str:

@@ -21,9 +21,10 @@ def _dtype_names(dtypes) -> str:
 
 
 def tensor(op: str, name: str, t, *, rank=None, dtype=None, device=None, shape=None,
-           last_contiguous: bool = False) -> torch.Tensor:
+           last_contiguous: bool = False, contiguous: bool = False) -> torch.Tensor:
     """Check one tensor argument. ``rank`` an int or a tuple of allowed ranks; ``dtype`` a dtype
-    or tuple; ``shape`` a tuple with None for free dims; ``last_contiguous``: stride(-1) == 1."""
+    or tuple; ``shape`` a tuple with None for free dims; ``last_contiguous``: stride(-1) == 1;
+    ``contiguous``: ``t.is_contiguous()`` (kernels that index it as a flat array)."""
     if not isinstance(t, torch.Tensor):
         fail(op, f"{name} must be a Tensor, got {type(t).__name__}")
     if rank is not None:
@@ -43,6 +44,9 @@ def tensor(op: str, name: str, t, *, rank=None, dtype=None, device=None, shape=N
             fail(op, f"{name} must have shape {want}, got {list(t.shape)}")
     if last_contiguous and t.numel() > 0 and t.dim() > 0 and t.stride(-1) != 1 and t.shape[-1] > 1:
         fail(op, f"{name} must have unit stride in its last dimension, got strides {t.stride()}")
+    if contiguous and not t.is_contiguous():
+        fail(op, f"{name} must be contiguous, got shape {list(t.shape)} strides "
+                 f"{list(t.stride())}")
     return t
 
 

@@ -13,7 +13,10 @@ in block ``block_table[b, j // block_size]``, row ``j % block_size``.
 
 Device values are bounds-checked: a block id outside ``[0, num_blocks)`` hides its keys,
 ``seq_lens`` is clamped to ``max_blocks * block_size``, a query that sees no key gets zeros, and
-rows past ``query_start_loc[B]`` are zeros. ``DFLASH_OPS_DEBUG=1`` raises on such values.
+rows past ``query_start_loc[B]`` are zeros. ``DFLASH_OPS_DEBUG=1`` raises on such values. Cache
+rows no query may see (past seq_len, unreferenced blocks) never reach the output, NaN or not.
+``seq_lens``, ``query_start_loc`` and ``sinks`` must be contiguous, ``block_table`` must have
+unit column stride (the Triton kernel indexes them so).
 """
 from __future__ import annotations
 
@@ -48,15 +51,22 @@ def _check_attn(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, sca
     hkv = k_cache.shape[2]
     if hkv == 0 or hq % hkv != 0:
         C.fail(op, f"q's {hq} heads must be a multiple of the caches' Hkv = {hkv}")
+    # The Triton kernel indexes seq_lens, query_start_loc and sinks as flat arrays and a
+    # block_table row with unit column stride (any row stride).
     C.tensor(op, "block_table", block_table, rank=2, dtype=torch.int32, device=dev)
+    if block_table.shape[0] > 0 and block_table.shape[1] > 1 and block_table.stride(1) != 1:
+        C.fail(op, f"block_table must be contiguous in its columns (unit column stride), got "
+                   f"shape {list(block_table.shape)} strides {list(block_table.stride())}")
     b = block_table.shape[0]
-    C.tensor(op, "seq_lens", seq_lens, shape=(b,), dtype=torch.int32, device=dev)
+    C.tensor(op, "seq_lens", seq_lens, shape=(b,), dtype=torch.int32, device=dev,
+             contiguous=True)
     C.tensor(op, "query_start_loc", query_start_loc, shape=(b + 1,), dtype=torch.int32,
-             device=dev)
+             device=dev, contiguous=True)
     if not (scale > 0):
         C.fail(op, f"scale must be > 0, got {scale}")
     if sinks is not None:
-        C.tensor(op, "sinks", sinks, shape=(hq,), dtype=torch.float32, device=dev)
+        C.tensor(op, "sinks", sinks, shape=(hq,), dtype=torch.float32, device=dev,
+                 contiguous=True)
     if out is not None:
         C.tensor(op, "out", out, shape=tuple(q.shape), device=dev, last_contiguous=True)
         C.same_dtype(op, "out", out, "q", q)
@@ -108,8 +118,11 @@ def block_attention_ref(q, k_cache, v_cache, block_table, seq_lens, query_start_
         dist = pos[:, None] - j[None, :]
         key_ok &= (dist < window) if causal else (dist.abs() < window)
     blk = blk.clamp(0, nb - 1)
-    k = k_cache[blk, j % bs].float()  # [Tq, S, Hkv, D]
-    v = v_cache[blk, j % bs].float()
+    # Select before multiplying: a key no query may see reads as 0, so NaN / inf in cache rows
+    # past seq_len or in blocks the table does not reference never reaches the output.
+    ok4 = key_ok[:, :, None, None]
+    k = torch.where(ok4, k_cache[blk, j % bs].float(), 0.0)  # [Tq, S, Hkv, D]
+    v = torch.where(ok4, v_cache[blk, j % bs].float(), 0.0)
     g = hq // hkv
     qf = q.float().view(tq, hkv, g, d)
     s = torch.einsum("tkgd,tjkd->tkgj", qf, k) * scale

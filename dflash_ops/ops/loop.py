@@ -8,6 +8,12 @@
 * ``prepare_step_``: a step's static inputs (blocks, request slots, start positions, padding
   rows, the context rows the previous verify committed) written in one launch from that state.
 
+Device values are bounds-checked, skipped as documented: a request whose row is outside
+``[0, N)`` or whose ``n_out[row] < 0`` commits nothing (kept 0, done False, ctx_pos -1; no state
+or token written), a draft token outside ``[0, V)`` is rejected by ``sample_commit_``, tokens
+past out_tokens' W columns are not written, and a ``prepare_step_`` row outside ``[0, N)`` gets
+the padding entry. ``DFLASH_OPS_DEBUG=1`` raises on such rows and counts.
+
 Shapes alone decide every launch (nothing is read on the host), so a whole step can sit in a
 CUDA graph. The torch references are what the kernels are tested against; the torch version
 of a commit is ~25 small launches, of ``prepare_step_`` ~12.
@@ -28,18 +34,35 @@ __all__ = ["greedy_commit", "sample_commit", "prepare_step_"]
 # --------------------------------------------------------------------------------------------
 # References
 # --------------------------------------------------------------------------------------------
+def _put(t: torch.Tensor, idx: tuple, value: torch.Tensor, write: torch.Tensor) -> None:
+    """t[idx] = value where ``write``, nothing elsewhere, with no host sync (CUDA-graph safe):
+    adds value - t[idx] (0 where not written), so indices of unwritten entries (clamped ones)
+    may repeat or meet a written one. Integer tensors: exact."""
+    delta = torch.where(write, value - t[idx], torch.zeros_like(value))
+    t.index_put_(idx, delta, accumulate=True)
+
+
+def _row_ok(rows: torch.Tensor, n: int) -> tuple:
+    """(in range [R] bool, rows clamped into [0, N) [R] int64) for state rows of N slots."""
+    rows = rows.long()
+    ok = (rows >= 0) & (rows < n)
+    return ok, torch.where(ok, rows, torch.zeros_like(rows))
+
+
 def commit_block(block: torch.Tensor, post: torch.Tensor, match: torch.Tensor,
                  n_out: torch.Tensor, max_new: int, stop_ids: torch.Tensor,
-                 out_tokens: torch.Tensor, rows: torch.Tensor):
+                 out_tokens: torch.Tensor, rows: torch.Tensor,
+                 ok: Optional[torch.Tensor] = None):
     """block [R, B]: [last token, drafts]; post [R, B]: post[r, match[r]] is the token the
     target gives after the accepted drafts (greedy: its argmax; sampling: the bonus or the
     residual draw); match [R]: accepted drafts; n_out [R]: tokens each request has; out_tokens
     [N, W] (W >= max_new + B) the token buffer, rows [R] its row per request.
 
     New tokens of request r: block[r, 1:match+1] then post[r, match], cut to max_new - n_out
-    and after the first stop token. Writes the kept ones at out_tokens[rows[r], n_out[r]:] and
-    nothing else. Returns (kept [R], done [R], last [R]): committed count, finished flag, the
-    last committed token."""
+    and after the first stop token. Writes the kept ones at out_tokens[rows[r], n_out[r]:] (the
+    columns < W) and nothing else. ``ok`` [R] bool (None: all): requests to commit; the others
+    (rows must still index out_tokens) get kept 0, done False and write nothing. Returns
+    (kept [R], done [R], last [R]): committed count, finished flag, the last committed token."""
     r, b = block.shape
     j = torch.arange(b, device=block.device)[None, :]
     match = match.long()[:, None]
@@ -51,10 +74,16 @@ def commit_block(block: torch.Tensor, post: torch.Tensor, match: torch.Tensor,
     first_stop = torch.where(is_stop, j, torch.full_like(j, b)).amin(1, keepdim=True)
     kept = torch.minimum(torch.minimum(match + 1, room), first_stop + 1).clamp_min(0)
     done = (kept >= room) | (first_stop < kept)
-    # kept columns are < W (n_out + kept <= max_new); the clamped ones keep their old value
-    cols = (n_out.long()[:, None] + j).clamp(max=out_tokens.shape[1] - 1)
-    idx = (rows.long()[:, None], cols)
-    out_tokens[idx] = torch.where(j < kept, new, out_tokens[idx])
+    if ok is not None:
+        kept = torch.where(ok[:, None], kept, torch.zeros_like(kept))
+        done = done & ok[:, None]
+    # written: the kept columns inside [0, W); the others index a clamped column, unwritten
+    w = out_tokens.shape[1]
+    cols = n_out.long()[:, None] + j
+    write = (j < kept) & (cols >= 0) & (cols < w)
+    idx = (rows.long()[:, None].expand(-1, b), cols.clamp(0, max(w - 1, 0)))
+    if w:
+        _put(out_tokens, idx, new, write)
     last = new.gather(1, (kept - 1).clamp_min(0))
     return kept[:, 0], done[:, 0], last[:, 0]
 
@@ -63,15 +92,28 @@ def commit_update(block, post, match, rows, n_out, start, last, out_tokens, stop
                   max_new: int):
     """commit_block with the per-request state updated in place: n_out, start, last (all [N],
     indexed by rows). Returns (kept [R], done [R] bool, ctx_pos [R, B]: start + j for the kept
-    rows, -1 elsewhere: the verify rows that become the drafter's context)."""
-    st = start[rows]
-    kept, done, new_last = commit_block(block, post, match, n_out[rows], max_new, stop_ids,
-                                        out_tokens, rows)
-    j = torch.arange(block.shape[1], device=block.device)[None, :]
+    rows, -1 elsewhere: the verify rows that become the drafter's context). A request whose
+    row is outside [0, N) or whose n_out[row] < 0 is skipped: kept 0, done False, ctx_pos -1,
+    nothing written."""
+    r, b = block.shape
+    n = n_out.shape[0]
+    if n == 0:  # every row out of range
+        return (torch.zeros(r, dtype=torch.long, device=block.device),
+                torch.zeros(r, dtype=torch.bool, device=block.device),
+                torch.full_like(block, -1))
+    ok, safe = _row_ok(rows, n)
+    count = n_out[safe]
+    ok = ok & (count >= 0)
+    st = start[safe]
+    kept, done, new_last = commit_block(block, post, match, count, max_new, stop_ids,
+                                        out_tokens, safe, ok)
+    j = torch.arange(b, device=block.device)[None, :]
     ctx_pos = torch.where(j < kept[:, None], st[:, None] + j, torch.full_like(block, -1))
-    n_out[rows] += kept
-    start[rows] = st + kept
-    last[rows] = new_last
+    # rows are distinct: for the committed ones these are n_out[rows] += kept,
+    # start[rows] = st + kept and last[rows] = new_last
+    _put(n_out, (safe,), count + kept, ok)
+    _put(start, (safe,), st + kept, ok)
+    _put(last, (safe,), new_last.to(last.dtype), ok)
     return kept, done, ctx_pos
 
 
@@ -103,14 +145,18 @@ def sample_accept_ref(block, p, q, u, u_res):
     position, q [R, B-1, V] the drafter's for each draft, u [R, B-1] and u_res [R] uniforms in
     [0, 1). Draft j is accepted while u_j * q_j(d_j) < p_{j-1}(d_j); at the first rejection
     (position m = match) the token is drawn from max(p_m - q_m, 0) (p_m where that is all zero),
-    after B-1 acceptances the bonus from p_{B-1}, with u_res through ``inverse_cdf``.
-    Returns (match [R] int64, post [R, B] int64: the drawn token at column match, the drafts
-    shifted left elsewhere, what ``commit_update`` reads)."""
+    after B-1 acceptances the bonus from p_{B-1}, with u_res through ``inverse_cdf``. A draft
+    outside the vocabulary [0, V) is rejected (never read as an index). Returns (match [R]
+    int64, post [R, B] int64: the drawn token at column match, the drafts shifted left
+    elsewhere, what ``commit_update`` reads)."""
     r, b = block.shape
+    v = p.shape[-1]
     d = block[:, 1:, None]
+    in_vocab = ((d >= 0) & (d < v))[..., 0]
+    d = d.clamp(0, max(v - 1, 0))
     p_d = p[:, :-1].gather(-1, d)[..., 0].float()
     q_d = q.gather(-1, d)[..., 0].float()
-    match = (u * q_d < p_d).int().cumprod(1).sum(1).long()
+    match = ((u * q_d < p_d) & in_vocab).int().cumprod(1).sum(1).long()
     ar = torch.arange(r, device=block.device)
     pm = p[ar, match].float()
     qm = torch.cat([q, torch.zeros_like(q[:, :1])], 1)[ar, match].float()  # 0 after B-1 drafts
@@ -132,15 +178,21 @@ def sample_commit_ref(block, p, q, u, u_res, rows, n_out, start, last, out_token
 
 def prepare_step_ref(rows, last, start, drafts, ctx_rows, ctx_pos, fill_id: int, scratch: int,
                      block_out, requests_out, start_out, ctx_req_out, ctx_pos_out) -> None:
-    """``prepare_step_``'s contract in torch ops (arguments there; None for the absent ones)."""
+    """``prepare_step_``'s contract in torch ops (arguments there; None for the absent ones).
+    A row outside [0, N) is skipped: its entry is a padding row (fill_id, scratch, start 0)."""
     r, p_rows, b = rows.shape[0], block_out.shape[0], block_out.shape[1]
-    rows = rows.long()
-    block_out[:r, 0] = last[rows]
-    block_out[:r, 1:] = drafts if drafts is not None else fill_id
+    ok, safe = _row_ok(rows, last.shape[0])
+    if last.shape[0] == 0:  # every row out of range: padding rows only
+        last, start = last.new_zeros(1), start.new_zeros(1)
+    block_out[:r, 0] = torch.where(ok, last[safe], torch.full_like(safe, fill_id))
+    if drafts is not None:
+        block_out[:r, 1:] = torch.where(ok[:, None], drafts, torch.full_like(drafts, fill_id))
+    else:
+        block_out[:r, 1:] = fill_id
     block_out[r:] = fill_id
-    requests_out[:r] = rows
+    requests_out[:r] = torch.where(ok, safe, torch.full_like(safe, scratch))
     requests_out[r:p_rows] = scratch
-    start_out[:r] = start[rows]
+    start_out[:r] = torch.where(ok, start[safe], torch.zeros_like(safe))
     start_out[r:p_rows] = 0
     if ctx_req_out is not None:
         n = ctx_rows.shape[0] * b if ctx_rows is not None else 0
@@ -206,6 +258,18 @@ def _check_commit_outputs(op: str, block, kept, done, ctx_pos) -> None:
                 or t.device != block.device):
             C.fail(op, f"{name} must be a contiguous {str(dtype).replace('torch.', '')} tensor "
                        f"of {list(shape)} on {block.device}, got {_desc(t)}")
+
+
+def _debug_rows(op: str, rows, n_out=None, n: Optional[int] = None) -> None:
+    """``DFLASH_OPS_DEBUG=1``: rows in [0, N) and (commits) n_out[rows] >= 0; the ops skip
+    such requests otherwise."""
+    n = n_out.shape[0] if n_out is not None else n
+    bad = (rows < 0) | (rows >= n)
+    if bool(bad.any()):
+        C.fail(op, f"rows must lie in [0, {n}) (the state's slots), got "
+                   f"{rows[bad].tolist()[:8]} at {bad.nonzero()[:, 0].tolist()[:8]}")
+    if n_out is not None and rows.numel() and bool((n_out[rows] < 0).any()):
+        C.fail(op, f"n_out must be >= 0 at rows, got {n_out[rows].tolist()[:8]}")
 
 
 def _check_pairs(ctx_rows, ctx_pos, ctx_req_out, ctx_pos_out) -> None:
@@ -323,19 +387,22 @@ dispatch.define_op(
     "greedy_commit_(Tensor block, Tensor post, Tensor rows, Tensor(a!) n_out, Tensor(b!) start, "
     "Tensor(c!) last, Tensor(d!) out_tokens, Tensor stop_ids, int max_new, Tensor(e!) kept, "
     "Tensor(f!) done, Tensor(g!) ctx_pos) -> ()",
-    validate=_check_greedy, reference=_greedy_torch, fake=lambda *args: None, default="triton")
+    validate=_check_greedy, reference=_greedy_torch, fake=lambda *args: None, default="triton",
+    debug_check=lambda *a: _debug_rows("greedy_commit_", a[2], a[3]))
 
 dispatch.define_op(
     "sample_commit_(Tensor block, Tensor p, Tensor q, Tensor u, Tensor u_res, Tensor rows, "
     "Tensor(a!) n_out, Tensor(b!) start, Tensor(c!) last, Tensor(d!) out_tokens, "
     "Tensor stop_ids, int max_new, Tensor(e!) kept, Tensor(f!) done, Tensor(g!) ctx_pos) -> ()",
-    validate=_check_sample, reference=_sample_torch, fake=lambda *args: None, default="triton")
+    validate=_check_sample, reference=_sample_torch, fake=lambda *args: None, default="triton",
+    debug_check=lambda *a: _debug_rows("sample_commit_", a[5], a[6]))
 
 dispatch.define_op(
     "prepare_step_(Tensor rows, Tensor last, Tensor start, Tensor drafts, Tensor ctx_rows, "
     "Tensor ctx_pos, int fill_id, int scratch, Tensor(a!) block_out, Tensor(b!) requests_out, "
     "Tensor(c!) start_out, Tensor(d!) ctx_req_out, Tensor(e!) ctx_pos_out) -> ()",
-    validate=_check_prepare, reference=_prepare_torch, fake=lambda *args: None, default="triton")
+    validate=_check_prepare, reference=_prepare_torch, fake=lambda *args: None,
+    default="triton", debug_check=lambda *a: _debug_rows("prepare_step_", a[0], n=a[1].shape[0]))
 
 
 # --------------------------------------------------------------------------------------------
@@ -354,7 +421,8 @@ def _commit_outputs(block: torch.Tensor) -> tuple:
 def greedy_commit(block, post, rows, n_out, start, last, out_tokens, stop_ids, max_new: int):
     """Greedy acceptance + commit in one kernel (``greedy_commit_ref``'s contract): block / post
     [R, B] int64, rows [R], n_out / start / last [N] and out_tokens [N, W] int64 (updated in
-    place), stop_ids [S]. Returns (kept [R] int64, done [R] bool, ctx_pos [R, B] int64)."""
+    place), stop_ids [S]. Returns (kept [R] int64, done [R] bool, ctx_pos [R, B] int64). A
+    row outside [0, N) or with n_out < 0 is skipped (module docstring)."""
     outs = _commit_outputs(block)
     torch.ops.dflash.greedy_commit_.default(block, post, rows, n_out, start, last, out_tokens,
                                             stop_ids, max_new, *outs)
@@ -365,7 +433,7 @@ def sample_commit(block, p, q, u, u_res, rows, n_out, start, last, out_tokens, s
                   max_new: int):
     """Speculative rejection sampling + commit in one kernel (``sample_commit_ref``'s
     contract); p / q / u / u_res are fp32 (p, q with unit stride in V), the rest as
-    ``greedy_commit``. Returns (kept, done, ctx_pos)."""
+    ``greedy_commit``; a draft outside [0, V) is rejected. Returns (kept, done, ctx_pos)."""
     outs = _commit_outputs(block)
     torch.ops.dflash.sample_commit_.default(block, p, q, u, u_res, rows, n_out, start, last,
                                             out_tokens, stop_ids, max_new, *outs)
@@ -385,7 +453,8 @@ def prepare_step_(rows, last, start, drafts: Optional[torch.Tensor],
       block of masks);
     * block_out [P, B] (P >= R), requests_out [P], start_out [P]: row i < R gets
       ``[last[rows[i]], drafts[i] or fill_id...]``, ``rows[i]``, ``start[rows[i]]``; padding
-      rows i >= R get ``fill_id`` tokens, the ``scratch`` slot and start 0;
+      rows i >= R, and rows whose ``rows[i]`` is outside [0, N), get ``fill_id`` tokens, the
+      ``scratch`` slot and start 0;
     * ctx_rows [Rc] and ctx_pos [Rc, B] (or both None: no context rows): the previous verify's
       requests and their rows' context positions (-1: not committed); ctx_req_out / ctx_pos_out
       [C] (C a multiple of B, >= Rc * B; or both None for the verify step): entry i < Rc * B gets

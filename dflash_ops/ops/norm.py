@@ -6,7 +6,8 @@ the weight in the input dtype.
 Weights: ``[D]`` for every row, or ``[G, D]`` (a batched per-layer norm). With a 2-D weight, x
 is ``[T, *inner, D]`` (rank >= 3): the rows of one token, taken in order, are G equal groups and
 row ``r`` of the ``R = prod(inner)`` uses ``weight[r // (R // G)]``. So the K-norm of all L
-layers, ``k[T, L, Hkv, D]`` (or ``[T, L*Hkv, D]``) with ``wk[L, D]``, is one call.
+layers, ``k[T, L, Hkv, D]`` (or ``[T, L*Hkv, D]``) with ``wk[L, D]``, is one call. A 2-D
+weight must be contiguous (not a column slice of a wider tensor nor an ``expand``).
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ def check_norm_args(op: str, x: torch.Tensor, weight: torch.Tensor, eps: float, 
         C.fail(op, f"weight must have {d} columns (the last dim of {xname}), got shape "
                    f"{list(weight.shape)}")
     if weight.dim() == 2:
+        # the Triton kernel reads group g's row at weight + g * D
+        C.tensor(op, "weight", weight, contiguous=True)
         if x.dim() < 3:
             C.fail(op, f"a 2-D weight [G, D] needs {xname} of rank >= 3 ([T, *inner, D]), got rank "
                        f"{x.dim()}")

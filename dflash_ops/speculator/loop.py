@@ -25,7 +25,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from .draft_step import DraftStep
-from .step import Iteration, Sampling, State, Stats, sync_device
+from .step import Iteration, Sampling, State, Stats, check_pair, sync_device
 from .verify_step import VerifyStep
 
 
@@ -39,14 +39,62 @@ def _prefill(target, prompts, tap_layers):
     return logits[last], taps
 
 
+def _check_requests(fn: str, caches, prompts, max_new_tokens: int, vocab: int,
+                    extra: int) -> None:
+    """ValueError from ``fn``, naming the argument, unless max_new_tokens >= 1 and the prompts
+    (at least one; each a non-empty list of token ids in [0, vocab)) fit every (name, cache)
+    of ``caches``: request slots 0 .. n-1 free, room for len(prompt) + ``extra`` positions each
+    (the loop's capacity per request), and blocks for all of them. Run before anything is
+    allocated, so that the cache's add_request cannot fail half-way through the batch."""
+    if max_new_tokens < 1:
+        raise ValueError(f"{fn}: max_new_tokens must be >= 1, got {max_new_tokens}")
+    n = len(prompts)
+    if n == 0:
+        raise ValueError(f"{fn}: prompts: expected at least one prompt, got 0")
+    for name, c in caches:
+        slots = c.block_table.shape[0]
+        if n > slots:
+            raise ValueError(f"{fn}: prompts: {n} prompts, but the {name} cache has {slots} "
+                             f"request slots (max_requests)")
+        busy = [r for r in c.in_use() if r < n]
+        if busy:
+            raise ValueError(f"{fn}: request slots {busy} of the {name} cache are in use; "
+                             f"{n} prompts need slots 0..{n - 1}")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"{fn}: prompts[{i}] is empty; expected at least one token")
+        bad = next((int(t) for t in p if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"{fn}: prompts[{i}] has token {bad} outside the vocabulary "
+                             f"[0, {vocab})")
+    for name, c in caches:
+        room = c.max_blocks * c.block_size
+        for i, p in enumerate(prompts):
+            if len(p) + extra > room:
+                raise ValueError(f"{fn}: prompts[{i}]: {len(p)} tokens + max_new_tokens="
+                                 f"{max_new_tokens} need {len(p) + extra} positions in the "
+                                 f"{name} cache, which allows {room} (max_len)")
+        need = sum(-(-(len(p) + extra) // c.block_size) for p in prompts)
+        if need > c.free_blocks():
+            raise ValueError(f"{fn}: prompts: they need {need} blocks of the {name} cache, "
+                             f"{c.free_blocks()} are free (num_blocks)")
+
+
 def plain_greedy(target, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  stop_token_ids: Sequence[int] = ()) -> List[List[int]]:
-    """Target-only greedy decoding of every prompt (the speculative output's reference)."""
+    """Target-only greedy decoding of every prompt (the speculative output's reference):
+    max_new_tokens (>= 1) tokens a prompt, fewer where a stop token ends it. Bad arguments
+    (no or empty prompts, tokens outside the vocabulary, more prompts or longer ones than the
+    cache holds, max_new_tokens < 1) raise a ValueError before anything is allocated."""
     dev = target.device
     stop = set(stop_token_ids)
-    for r, p in enumerate(prompts):
-        target.add_request(r, len(p) + max_new_tokens + 1)
+    _check_requests("plain_greedy", [("target", target.cache)], prompts, max_new_tokens,
+                    target.cfg.vocab_size, max_new_tokens + 1)
+    owned = []
     try:
+        for r, p in enumerate(prompts):
+            target.add_request(r, len(p) + max_new_tokens + 1)
+            owned.append(r)
         first_logits, _ = _prefill(target, prompts, None)
         out = [[t] for t in first_logits.argmax(-1).tolist()]
         done = [o[0] in stop or max_new_tokens <= 1 for o in out]
@@ -64,7 +112,7 @@ def plain_greedy(target, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                 done[r] = t in stop or len(out[r]) >= max_new_tokens
         return out
     finally:
-        for r in range(len(prompts)):
+        for r in owned:
             target.free_request(r)
 
 
@@ -112,15 +160,24 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
     committed counts once an iteration (and the active index list is uploaded only when a
     request finishes). ``steps``: "direct", "static" or "graphs" (module docstring); "auto" is
     "graphs" on CUDA when both caches have a spare request slot (max_requests > batch) with
-    room for one block, else "direct" (Stats.steps says which ran)."""
+    room for one block, else "direct" (Stats.steps says which ran).
+
+    ``max_new_tokens`` (>= 1): the tokens a prompt gets, fewer where a stop token ends it;
+    ``block_size``: None for the drafter config's, else >= 2. Bad arguments (those, no or empty
+    prompts, tokens outside the vocabulary, more prompts or longer ones than the caches hold, a
+    drafter that does not fit the target) raise a ValueError before anything is allocated."""
+    fn = "speculative_generate"
+    check_pair(target, drafter, fn)
     sampling = Sampling(temperature, top_p, top_k, generator) if temperature > 0 else None
     if sampling is not None and getattr(drafter, "d2t", None) is not None:
         raise NotImplementedError("speculative sampling with a reduced draft vocabulary "
                                   "(d2t) is not implemented")
     dev, cfg, n = target.device, drafter.cfg, len(prompts)
-    bsz = block_size or cfg.block_size
+    bsz = cfg.block_size if block_size is None else block_size
     if bsz < 2:
-        raise ValueError(f"speculative_generate: block_size must be >= 2, got {bsz}")
+        raise ValueError(f"{fn}: block_size must be >= 2 (or None), got {bsz}")
+    _check_requests(fn, [("target", target.cache), ("drafter", drafter.cache)], prompts,
+                    max_new_tokens, target.cfg.vocab_size, max_new_tokens + bsz + 1)
     auto = steps == "auto"
     steps = _resolve_steps(steps, target, drafter, n)
     stats = Stats(steps=steps)

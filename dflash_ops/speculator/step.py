@@ -138,6 +138,36 @@ class State:
                     torch.zeros(0, **long), torch.zeros(0, block, **long)))
 
 
+def check_pair(target, drafter, fn: str) -> None:
+    """ValueError (from ``fn``, naming both sizes) unless the drafter fits the target: the same
+    vocabulary, tap hidden states the drafter's ``fc`` can read (n_taps x target_hidden_size
+    from layers the target has), and an embedding and LM head as wide as the drafter's hidden
+    size (they are usually the target's) whose token ids are the target's."""
+    tc, dc = target.cfg, drafter.cfg
+    vocab, hid = tc.vocab_size, dc.hidden_size
+    if dc.vocab_size != vocab:
+        raise ValueError(f"{fn}: vocabulary: the target's is {vocab}, the drafter's "
+                         f"{dc.vocab_size} (drafter.cfg.vocab_size)")
+    ids = list(dc.target_layer_ids)
+    if not all(0 <= i < tc.num_layers for i in ids):
+        raise ValueError(f"{fn}: target_layer_ids: the drafter taps {ids}, the target has "
+                         f"layers 0..{tc.num_layers - 1}")
+    if dc.target_hidden_size != tc.hidden_size:
+        raise ValueError(f"{fn}: tap hidden states: the drafter reads {dc.n_taps} x "
+                         f"{dc.target_hidden_size} = {dc.fc_in_features} (n_taps x "
+                         f"target_hidden_size), the target gives {dc.n_taps} x "
+                         f"{tc.hidden_size} = {dc.n_taps * tc.hidden_size}")
+    # draft ids index the target's embedding directly unless d2t maps them; a stand-in
+    # drafter without these weights (tests' scripted drafters) is checked on its config only
+    rows = vocab if getattr(drafter, "d2t", None) is None else dc.out_vocab_size
+    for name, attr, want in (("embedding", "embed", vocab), ("LM head", "lm_head", rows)):
+        w = getattr(drafter, attr, None)
+        if w is not None and tuple(w.shape) != (want, hid):
+            raise ValueError(f"{fn}: {name}: the drafter's is {list(w.shape)}, its hidden_size "
+                             f"{hid}; expected [{want}, {hid}] (the target's vocabulary is "
+                             f"{vocab}, its hidden size {tc.hidden_size})")
+
+
 class Iteration:
     """The iteration (module docstring) for a target / drafter pair: direct model calls, or the
     static ``steps`` (a DraftStep and a VerifyStep of ``block_size``), captured as CUDA graphs
@@ -147,6 +177,7 @@ class Iteration:
     def __init__(self, target, drafter, block_size: int, *, sampling: Optional[Sampling] = None,
                  steps: Optional[tuple] = None, graphs: bool = False,
                  stats: Optional[Stats] = None, time_stages: bool = False):
+        check_pair(target, drafter, "Iteration")
         self.target, self.drafter, self.b = target, drafter, block_size
         self.sampling = sampling
         self.dstep, self.vstep = steps if steps is not None else (None, None)

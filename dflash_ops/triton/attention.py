@@ -247,9 +247,15 @@ def block_attention_out_(q, k_cache, v_cache, block_table, seq_lens, query_start
     else:
         part = lse = out  # unused
     sink = sinks if sinks is not None else q
+    # A window of at least the longest key span masks nothing: |pos - j| < m * bs + tq (keys
+    # j < m * bs, pos >= -tq while query_start_loc lies in [0, tq]). Run it as no window, so
+    # that the kernel's int32 ``last + window`` cannot overflow (2^31 - 1 would hide every key).
+    window = int(window)
+    if window >= m * bs + tq:
+        window = -1
     _attn_kernel[(b * hkv, n_split)](
         q, k_cache, v_cache, block_table, seq_lens, query_start_loc, sink, out, part, lse,
-        tq, b, hkv, m, nb, bs, float(scale) * LOG2E, int(window),
+        tq, b, hkv, m, nb, bs, float(scale) * LOG2E, window,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1), part.stride(0), part.stride(1), part.stride(2),
