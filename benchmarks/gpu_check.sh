@@ -43,7 +43,7 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
     pids+=($!)
   done
   for ((i = 0; i < shards; i++)); do
-    wait "${pids[i]}"; r=$?; [ $r -ne 0 ] && rc=$r
+    wait "${pids[i]}"; r=$?; [ $r -ne 0 ] && [ $r -ne 5 ] && rc=$r  # 5: no gpu tests there
     echo "shard $i (rc $r): $(tail -1 "$OUT/pytest_gpu_$i.log")"
     grep -E "^(FAILED|ERROR)" "$OUT/pytest_gpu_$i.log" | head -20
   done

@@ -61,7 +61,7 @@ _global_force: Dict[Optional[str], str] = {}  # op name (None = all ops) -> back
 _override_libs: Dict[str, torch.library.Library] = {}  # op -> the Library of its CUDA router
 _cuda_cpp_ops: set = set()  # ops with a C++ kernel from dflash_ops._C
 _sync_lock = threading.RLock()
-_warmups: list = []  # one entry per capture_graph warm-up in progress
+_local = threading.local()  # .warmups: this thread's capture_graph warm-ups in progress
 
 
 class BackendUnavailableError(RuntimeError):
@@ -163,16 +163,22 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def _warming() -> int:
+    """How many capture_graph warm-ups this thread is inside (other threads' eager calls are
+    not affected by one)."""
+    return getattr(_local, "warmups", 0)
+
+
 def _graph_call() -> bool:
     """Whether a CUDA call is recorded into a graph (or is capture_graph's warm-up of one)."""
-    return bool(_warmups) or torch.cuda.is_current_stream_capturing()
+    return _warming() or torch.cuda.is_current_stream_capturing()
 
 
 def in_graph_call() -> bool:
     """Whether calls made now are recorded into a CUDA graph (or are ``capture_graph``'s
     warm-up of one): code choosing kernels outside the op table (``models.linear``) follows
     the same rule as the ops."""
-    return bool(_warmups) or _capturing()
+    return _warming() or _capturing()
 
 
 def _forced(op: str) -> Optional[str]:
@@ -339,16 +345,18 @@ def capture_graph(fn: Callable, device=None):
     call runs (compiles, autotunes, fills caches), then recorded in a CUDA graph, on ``device``
     (default: the current one). The warm-up runs for real: its writes are the ones a replay
     repeats. A graph captured without this helper gets the same kernels; its warm-up then
-    compiles the eager ones, and the first capture compiles the graph ones."""
+    compiles the eager ones, and the first capture compiles and loads the graph ones (seen to
+    work on the H200, torch 2.11 / triton 3.6, in tests/test_dispatch.py; warming up through
+    this helper keeps compilation out of the capture)."""
     with torch.cuda.device(device):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        _warmups.append(True)
+        _local.warmups = _warming() + 1
         try:
             with torch.cuda.stream(side):
                 fn()
         finally:
-            _warmups.pop()
+            _local.warmups -= 1
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):

@@ -8,11 +8,14 @@
 * ``prepare_step_``: a step's static inputs (blocks, request slots, start positions, padding
   rows, the context rows the previous verify committed) written in one launch from that state.
 
-Device values are bounds-checked, skipped as documented: a request whose row is outside
-``[0, N)`` or whose ``n_out[row] < 0`` commits nothing (kept 0, done False, ctx_pos -1; no state
-or token written), a draft token outside ``[0, V)`` is rejected by ``sample_commit_``, tokens
-past out_tokens' W columns are not written, and a ``prepare_step_`` row outside ``[0, N)`` gets
-the padding entry. ``DFLASH_OPS_DEBUG=1`` raises on such rows and counts.
+Device values: the contract is that a request whose row is outside ``[0, N)`` or whose
+``n_out[row] < 0`` commits nothing (kept 0, done False, ctx_pos -1; no state or token written),
+a draft token outside ``[0, V)`` is rejected by ``sample_commit_``, tokens past out_tokens' W
+columns are not written, and a ``prepare_step_`` row outside ``[0, N)`` gets the padding entry;
+``DFLASH_OPS_DEBUG=1`` raises on such rows and counts (every backend). The torch references
+keep it; the Triton kernels do not check rows, negative counts or out-of-vocabulary drafts yet
+(they trust them, as the loop's own state is always in range): pass such values to the torch
+backend only.
 
 Shapes alone decide every launch (nothing is read on the host), so a whole step can sit in a
 CUDA graph. The torch references are what the kernels are tested against; the torch version
@@ -421,8 +424,8 @@ def _commit_outputs(block: torch.Tensor) -> tuple:
 def greedy_commit(block, post, rows, n_out, start, last, out_tokens, stop_ids, max_new: int):
     """Greedy acceptance + commit in one kernel (``greedy_commit_ref``'s contract): block / post
     [R, B] int64, rows [R], n_out / start / last [N] and out_tokens [N, W] int64 (updated in
-    place), stop_ids [S]. Returns (kept [R] int64, done [R] bool, ctx_pos [R, B] int64). A
-    row outside [0, N) or with n_out < 0 is skipped (module docstring)."""
+    place), stop_ids [S]. Returns (kept [R] int64, done [R] bool, ctx_pos [R, B] int64). Rows
+    outside [0, N) and n_out < 0: see the module docstring."""
     outs = _commit_outputs(block)
     torch.ops.dflash.greedy_commit_.default(block, post, rows, n_out, start, last, out_tokens,
                                             stop_ids, max_new, *outs)
@@ -433,7 +436,8 @@ def sample_commit(block, p, q, u, u_res, rows, n_out, start, last, out_tokens, s
                   max_new: int):
     """Speculative rejection sampling + commit in one kernel (``sample_commit_ref``'s
     contract); p / q / u / u_res are fp32 (p, q with unit stride in V), the rest as
-    ``greedy_commit``; a draft outside [0, V) is rejected. Returns (kept, done, ctx_pos)."""
+    ``greedy_commit``; drafts outside [0, V): see the module docstring. Returns (kept, done,
+    ctx_pos)."""
     outs = _commit_outputs(block)
     torch.ops.dflash.sample_commit_.default(block, p, q, u, u_res, rows, n_out, start, last,
                                             out_tokens, stop_ids, max_new, *outs)
