@@ -332,12 +332,15 @@ def use_backend(backend: str, ops: Optional[Iterable[str]] = None):
 def set_backend(backend: Optional[str], ops: Optional[Iterable[str]] = None) -> None:
     """Force ``backend`` process-wide for ``ops`` (default all); ``None`` clears the force."""
     names = _check_ops(ops)
-    for n in names:
-        if backend is None:
-            _global_force.pop(n, None)
-        else:
-            _global_force[n] = _check_backend(backend)
-    sync()
+    if backend is not None:
+        _check_backend(backend)
+    with _sync_lock:
+        for n in names:
+            if backend is None:
+                _global_force.pop(n, None)
+            else:
+                _global_force[n] = backend
+        sync()
 
 
 def capture_graph(fn: Callable, device=None):
