@@ -231,6 +231,30 @@ def check_context_kv_huge_slots(device, dtype=torch.float16, d=64, hkv=2, n_laye
 
 
 
+def check_context_kv_col_major(device, dtype=torch.float32, t=13, h=40, n_layers=2, hkv=1,
+                               d=64):
+    """The Triton context_kv_ on a column-major x [T, H] (unit stride along T), with and
+    without the hidden norm, against the reference on the same x (fp32: within 1e-4)."""
+    from dflash_ops.ops.context import context_kv_ref
+    from dflash_ops.triton.context import context_kv_
+    gen = torch.Generator().manual_seed(15)
+    x = _rnd(gen, t, h, dtype=dtype, device=device).t().contiguous().t()
+    w = _rnd(gen, n_layers * 2 * hkv * d, h, dtype=dtype, device=device, scale=h ** -0.5)
+    kw = 1 + 0.1 * _rnd(gen, n_layers, d, dtype=dtype, device=device)
+    hw = 1 + 0.1 * _rnd(gen, h, dtype=dtype, device=device)
+    pos = torch.randint(0, 32, (t,), generator=gen).to(device)
+    cs = dflash_ops.make_cos_sin_cache(d, 32, 10000.0).to(device)
+    slots = torch.randperm(20, generator=gen)[:t].to(device)
+    for hn in (None, hw):
+        caches = [[torch.zeros(5, 4, hkv, d, dtype=dtype, device=device) for _ in range(n_layers)]
+                  for _ in range(4)]
+        context_kv_ref(x, w, None, kw, pos, cs, slots, caches[0], caches[1], EPS, True, hn)
+        context_kv_(x, w, None, kw, pos, cs, slots, caches[2], caches[3], EPS, True, hn)
+        err = max((a - b).abs().max().item() for a, b in zip(caches[2] + caches[3],
+                                                              caches[0] + caches[1]))
+        assert err < 1e-4, f"context_kv_ column-major x, hidden_norm={hn is not None}: {err:.3e}"
+
+
 def check_context_kv(device, dtypes=INTERP_DTYPES, cases=CONTEXT_CASES):
     gen = torch.Generator().manual_seed(12)
     for dtype in dtypes:
@@ -256,3 +280,8 @@ print("interp-ok")
 @pytest.mark.parametrize("what", ["kv_proj", "context_kv"])
 def test_triton_context_kv_interpreter_cpu(what):
     run_interpreted(_SCRIPT, what, timeout=600)
+
+
+def test_triton_context_kv_column_major_x_interpreter_cpu():
+    run_interpreted("import tests.test_triton_context_kv_interp as t\n"
+                    "t.check_context_kv_col_major('cpu')\nprint('interp-ok')\n", timeout=300)

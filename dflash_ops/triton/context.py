@@ -387,8 +387,8 @@ def context_kv_(x, w_kv, bias, k_weight, positions, cos_sin_cache, slot_mapping,
     except (RuntimeError, ValueError) as e:  # the shared helper names store_kv_
         raise type(e)(str(e).replace("store_kv_", "context_kv_")) from None
     cfg = cfg or context_config(t, d, x.element_size())
-    if hidden_norm_weight is not None:
-        x = _rms_norm(x, hidden_norm_weight, eps)
+    if hidden_norm_weight is not None:  # the norm pass reads rows with unit column stride
+        x = _rms_norm(x if x.stride(1) == 1 else x.contiguous(), hidden_norm_weight, eps)
     if cfg.split:  # the GEMM, then the epilogue alone over its output
         kv = kv_proj(x, w_kv, bias)
         src, tma, bias = kv, False, None
