@@ -213,17 +213,30 @@ def test_huge_max_position_embeddings_caps_rope_table(tmp_path, mpe):
     drafter = DFlashDrafter(cfg, load_state(tmp_path), embed_tokens=torch.randn(64, 32),
                             lm_head=torch.randn(64, 32), dtype=torch.float32, num_blocks=4,
                             cache_block_size=4, max_len=16)
-    assert drafter.cos_sin.shape == (ROPE_TABLE_MIN_CAP, cfg.rotary_dim)
+    want = min(int(mpe), ROPE_TABLE_MIN_CAP)  # the cache's 16 positions are fewer
+    assert drafter.cos_sin.shape == (want, cfg.rotary_dim)
     tcfg = TargetConfig.from_hf(dict(model_type="llama", hidden_size=32, num_hidden_layers=1,
                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                                      intermediate_size=48, vocab_size=50,
                                      max_position_embeddings=mpe))
     tgt = Target(tcfg, random_state(tcfg), dtype=torch.float32, num_blocks=4, block_size=4,
                  max_len=16)
-    assert tgt.cos_sin.shape == (ROPE_TABLE_MIN_CAP, 16)
+    assert tgt.cos_sin.shape == (want, 16)
     big = Target(tcfg, random_state(tcfg), dtype=torch.float32, num_blocks=4, block_size=4,
                  max_len=ROPE_TABLE_MIN_CAP + 8)   # a cache larger than the cap: its size
     assert big.cos_sin.shape == (ROPE_TABLE_MIN_CAP + 8, 16)
+
+
+def test_rope_table_covers_the_caches_whole_blocks():
+    """A request may use every position of its blocks (max_len rounded up to block_size): the
+    table has a row for each, even where max_position_embeddings is smaller."""
+    tcfg = TargetConfig.from_hf(dict(model_type="llama", hidden_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                     intermediate_size=48, vocab_size=50,
+                                     max_position_embeddings=10))
+    tgt = Target(tcfg, random_state(tcfg), dtype=torch.float32, num_blocks=8, block_size=4,
+                 max_len=18)
+    assert tgt.cos_sin.shape == (20, 16)
 
 
 def test_rope_table_unchanged_for_ordinary_configs():

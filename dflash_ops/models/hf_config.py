@@ -62,12 +62,12 @@ def as_float(value: Any, source: str, field: str) -> float:
 # The cos/sin table keeps rows past the caches' max_len up to this many positions (the largest
 # max_position_embeddings of the supported models): a larger cache swapped in later (the e2e
 # bench builds with a one-block cache) still finds its positions rotated.
-ROPE_TABLE_MIN_CAP = 1 << 18
+ROPE_TABLE_MIN_CAP = 1 << 20  # 1M positions: every published context length keeps its table
 
 
 def rope_table_len(max_position_embeddings: int, max_len: int) -> int:
     """Rows of the cos/sin table of a model whose KV cache holds ``max_len`` positions per
-    request: ``max(max_position_embeddings, max_len)``, but no more than
+    request (its whole blocks): ``max(max_position_embeddings, max_len)``, but no more than
     ``max(max_len, ROPE_TABLE_MIN_CAP)``: positions past the cache have no slot, and a huge
     max_position_embeddings (1e9: an 8 GB table) must allocate nothing big."""
     return min(max(max_position_embeddings, max_len), max(max_len, ROPE_TABLE_MIN_CAP))

@@ -200,7 +200,8 @@ class Target:
         self.cache = PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
                                   cfg.head_dim, max_requests, max_len, dtype, dev)
         # RoPE table: a huge max_position_embeddings (1e9: an 8 GB table) is capped (hf_config)
-        self.cos_sin = make_cos_sin_cache(rope_table_len(cfg.max_position_embeddings, max_len),
+        room = self.cache.max_blocks * self.cache.block_size  # positions a request may use
+        self.cos_sin = make_cos_sin_cache(rope_table_len(cfg.max_position_embeddings, room),
                                           cfg.head_dim, base=cfg.rope_theta, device=dev)
 
     # ------------------------------------------------------------------------------ building

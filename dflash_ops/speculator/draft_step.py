@@ -29,7 +29,10 @@ class DraftStep:
         self.want_logits = logits  # False (greedy): ``logits`` is None, argmax on the raw output
         dev = drafter.device
         self.drafter, self.max_batch = drafter, max_batch
-        self.b = block_size or cfg.block_size
+        self.b = cfg.block_size if block_size is None else block_size
+        if self.b < 2:
+            raise ValueError(f"DraftStep: block_size must be >= 2 (or None: the config's), got "
+                             f"{block_size}")
         self.scratch = scratch_request
         n_ctx = max_batch * self.b
         width = cfg.n_taps * cfg.target_hidden_size
