@@ -169,11 +169,6 @@ def _warming() -> int:
     return getattr(_local, "warmups", 0)
 
 
-def _graph_call() -> bool:
-    """Whether a CUDA call is recorded into a graph (or is capture_graph's warm-up of one)."""
-    return _warming() or torch.cuda.is_current_stream_capturing()
-
-
 def in_graph_call() -> bool:
     """Whether calls made now are recorded into a CUDA graph (or are ``capture_graph``'s
     warm-up of one): code choosing kernels outside the op table (``models.linear``) follows
@@ -238,7 +233,7 @@ def _make_router(info: OpInfo, device: str) -> Callable:
     cpp = []  # torch.ops.dflash_cuda.<name>, looked up on first use
 
     def router(*args, **kwargs):
-        backend = _resolve(name, device, device == "cuda" and _graph_call())
+        backend = _resolve(name, device, device == "cuda" and in_graph_call())
         if backend == "cuda" and device == "cuda" and name in _cuda_cpp_ops:
             if info.debug_check is not None and _debug() and not _capturing():
                 info.debug_check(*args, **kwargs)

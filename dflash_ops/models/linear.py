@@ -15,7 +15,6 @@ only, so a captured graph replays with any values.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Dict, Optional, Tuple
@@ -23,10 +22,9 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .. import dispatch
+from .. import dispatch, triton
 
 TABLE_PATH = Path(__file__).with_name("linear_table.json")
-_TRITON = importlib.util.find_spec("triton") is not None  # the Triton GEMM needs it
 M_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 # (N, K) -> {m_bucket: ProjCfg fields (bm, bn, bk, gm, warps, stages, tma, persistent)}
@@ -71,7 +69,7 @@ def choice(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
     """The Triton launch config for this GEMM, or None for cuBLAS; ``graph``: whether the call
     is recorded into a CUDA graph (default: ``dispatch.in_graph_call()``). Eager calls run
     cuBLAS: an eager Triton launch costs more host time than these GEMMs take on the GPU."""
-    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or not _TRITON:
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or not triton.AVAILABLE:
         return None
     if not (dispatch.in_graph_call() if graph is None else graph):
         return None
