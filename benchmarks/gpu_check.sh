@@ -2,8 +2,12 @@
 # The one script run on the H200 (device tool): install (builds dflash_ops._C), info, check, the
 # GPU tests, the benchmarks. Logs and result tables go under $OUT (at most 8 files come back:
 # more are packed into $OUT/all.tgz at the end).
-# Usage: bash benchmarks/gpu_check.sh [build|tests|bench|ctx|attn|linear|drafter|e2e|models|compare|profile|cmake|all]
+# Usage: bash benchmarks/gpu_check.sh [build|tests|sanitize|bench|ctx|attn|linear|drafter|e2e|models|compare|profile|cmake|all]
 #   all:     tests + bench + ctx; build: install, info and check only
+#   sanitize: the hostile-value GPU tests (tests/test_hostile_inputs.py,
+#            tests/test_out_of_range_inputs.py) under compute-sanitizer memcheck and racecheck
+#            (SAN_TOOLS), with the caching allocator off so that every tensor is its own
+#            allocation; each must report 0 errors
 #   attn:    the attention suite (BENCH_ARGS: --quick, --cases, --tables, --no-flex)
 #   models:  bench_drafter (DRAFTER_ARGS, default --no-ref), bench_e2e (E2E_ARGS, default --quick)
 #            and profile_step (PROFILE_ARGS) in one call
@@ -49,6 +53,18 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   done
   cat "$OUT"/pytest_gpu_*.log > "$OUT/pytest_gpu.log" && rm -f "$OUT"/pytest_gpu_*.log
   echo "tests: $(( $(date +%s) - t0 )) s"
+fi
+if [ "$what" = sanitize ]; then
+  for tool in ${SAN_TOOLS:-memcheck racecheck}; do
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_TIMEOUT:-280} compute-sanitizer --tool "$tool" \
+      --error-exitcode 3 --print-limit 20 python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
+      tests/test_hostile_inputs.py tests/test_out_of_range_inputs.py >"$OUT/sanitize_$tool.log" 2>&1
+    r=$?; [ $r -ne 0 ] && rc=$r
+    echo "$tool (rc $r): $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)" \
+      "| $(grep -E '(passed|failed|error)' "$OUT/sanitize_$tool.log" | tail -1)"
+    grep -E "^(FAILED|ERROR)|Invalid|Race|Hazard" "$OUT/sanitize_$tool.log" | head -20
+    echo "$tool: $(( $(date +%s) - t0 )) s"
+  done
 fi
 if [ "$what" = compare ]; then
   old_dir=${OLD_DIR:-.old}

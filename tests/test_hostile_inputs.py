@@ -67,16 +67,16 @@ def check_guards(kw: dict) -> None:
 STATE = ("n_out", "start", "last", "out_tokens")
 
 
-def run_commit(op: str, kw: dict):
+def run_commit(op: str, kw: dict, backend: str = "torch"):
     args = {k: v for k, v in kw.items() if k != "_g"}
-    with dispatch.use_backend("torch", ops=LOOP_OPS):
+    with dispatch.use_backend(backend, ops=LOOP_OPS):
         getattr(torch.ops.dflash, op).default(*args.values())
     return args
 
 
-def commit_case(op: str):
+def commit_case(op: str, device="cpu"):
     mk = L._greedy_sample if op == "greedy_commit_" else L._sample_sample
-    return mk(7, "cpu")
+    return mk(7, device)
 
 
 # --------------------------------------------------------------------------------------------
@@ -124,19 +124,27 @@ def test_attention_reference_ignores_nan_in_unreferenced_and_bad_blocks():
 
 
 # --------------------------------------------------------------------------------------------
-# 2. Loop ops: out-of-range rows / counts / drafts skipped, guards intact
+# 2. Loop ops: out-of-range rows / counts / drafts skipped, guards intact (every backend:
+#    torch here, Triton under the interpreter below and on the GPU in section 5)
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("op", ["greedy_commit_", "sample_commit_"])
-@pytest.mark.parametrize("bad", ["minus-one", "N", "n_out-negative"])
-def test_commit_skips_out_of_range_rows(op, bad):
-    kw = commit_case(op)
+BAD_ROWS = ("minus-one", "N", "huge", "n_out-negative")
+COMMIT_CASES = [(op, bad) for op in ("greedy_commit_", "sample_commit_") for bad in BAD_ROWS]
+PREPARE_CASES = ("minus-one", "N", "huge")
+
+
+def _bad_row(bad: str, n: int) -> int:
+    return {"minus-one": -1, "N": n, "huge": 2 ** 40}[bad]
+
+
+def check_commit_rows(op: str, bad: str, backend: str = "torch", device="cpu") -> None:
+    """A request with a row outside [0, N) or a negative n_out commits nothing; the others
+    commit as they would alone; guard memory around the state tensors is untouched."""
+    kw = commit_case(op, device)
     n = kw["n_out"].shape[0]
     rows = kw["rows"].clone()
     r_bad = 1
-    if bad == "minus-one":
-        rows[r_bad] = -1
-    elif bad == "N":
-        rows[r_bad] = n
+    if bad != "n_out-negative":
+        rows[r_bad] = _bad_row(bad, n)
     kw["rows"] = rows
     if bad == "n_out-negative":
         kw["n_out"] = kw["n_out"].clone()
@@ -147,26 +155,28 @@ def test_commit_skips_out_of_range_rows(op, bad):
     for k in ("block", "post", "p", "q", "u", "u_res", "rows", "kept", "done", "ctx_pos"):
         if k in alone:
             alone[k] = alone[k][keep].contiguous()
-    alone = run_commit(op, alone)
+    alone = run_commit(op, alone, backend)
 
     hostile = guarded_args(kw, STATE)
     before = {k: hostile[k].clone() for k in STATE}
-    got = run_commit(op, hostile)
+    got = run_commit(op, hostile, backend)
     check_guards(hostile)
-    assert int(got["kept"][r_bad]) == 0 and not bool(got["done"][r_bad])
-    assert bool((got["ctx_pos"][r_bad] == -1).all())
+    what = f"{op}[{backend}] {bad}"
+    assert int(got["kept"][r_bad]) == 0 and not bool(got["done"][r_bad]), what
+    assert bool((got["ctx_pos"][r_bad] == -1).all()), what
     for k in ("kept", "done", "ctx_pos"):
-        assert torch.equal(got[k][keep], alone[k]), k
+        assert torch.equal(got[k][keep], alone[k]), f"{what}: {k}"
     for k in STATE:  # the valid requests' updates and nothing else
-        assert torch.equal(got[k], alone[k]), k
+        assert torch.equal(got[k], alone[k]), f"{what}: {k}"
     if bad == "n_out-negative":
         assert torch.equal(got["out_tokens"][rows[r_bad]], before["out_tokens"][rows[r_bad]])
     else:  # negative indexing would have updated row N - 1
-        assert torch.equal(got["n_out"][n - 1], alone["n_out"][n - 1])
+        assert torch.equal(got["n_out"][n - 1], alone["n_out"][n - 1]), what
 
 
-def test_sample_commit_rejects_out_of_vocab_drafts():
-    kw = L._sample_sample(11, "cpu", r=3, b=4, vocab=40, max_new=30)
+def check_sample_oov(backend: str = "torch", device="cpu") -> None:
+    """Sampled drafts outside the vocabulary are rejected (their probabilities never read)."""
+    kw = L._sample_sample(11, device, r=3, b=4, vocab=40, max_new=30)
     kw["q"] = kw["p"][:, :-1].clone()  # q == p: every in-vocabulary draft is accepted
     kw["u"] = torch.zeros_like(kw["u"])
     kw["n_out"] = torch.zeros_like(kw["n_out"])
@@ -178,38 +188,52 @@ def test_sample_commit_rejects_out_of_vocab_drafts():
     block[2, 3] = 10 ** 9  # the last draft of request 2
     kw["block"] = block
     hostile = guarded_args(kw, STATE)
-    got = run_commit("sample_commit_", hostile)
+    got = run_commit("sample_commit_", hostile, backend)
     check_guards(hostile)
     # accepted drafts stop before the bad one; the token drawn there is in the vocabulary
-    assert got["kept"].tolist() == [2, 1, 3]
+    assert got["kept"].tolist() == [2, 1, 3], (backend, got["kept"].tolist())
     rows = got["rows"]
     for i in range(3):
         toks = got["out_tokens"][rows[i], :int(got["kept"][i])]
-        assert bool(((toks >= 0) & (toks < v)).all()), toks
-        assert torch.equal(toks[:-1], block[i, 1:int(got["kept"][i])])
+        assert bool(((toks >= 0) & (toks < v)).all()), (backend, toks)
+        assert torch.equal(toks[:-1], block[i, 1:int(got["kept"][i])]), backend
 
 
-@pytest.mark.parametrize("bad", [-1, "N"])
-def test_prepare_step_skips_out_of_range_rows(bad):
-    kw = L._prepare_sample(4, "cpu")
+def check_prepare_rows(bad: str, backend: str = "torch", device="cpu") -> None:
+    """A prepare_step_ row outside [0, N) gets the padding entry; guards intact."""
+    kw = L._prepare_sample(4, device)
     n = kw["last"].shape[0]
     kw["rows"] = kw["rows"].clone()
-    kw["rows"][1] = n if bad == "N" else bad
+    kw["rows"][1] = _bad_row(bad, n)
     outs = ("block_out", "requests_out", "start_out", "ctx_req_out", "ctx_pos_out")
     hostile = guarded_args(kw, outs + ("last", "start"), contiguous=True)
     args = {k: v for k, v in hostile.items() if k != "_g"}
-    with dispatch.use_backend("torch", ops=LOOP_OPS):
+    with dispatch.use_backend(backend, ops=LOOP_OPS):
         torch.ops.dflash.prepare_step_.default(*args.values())
     check_guards(hostile)
     fill, scratch = kw["fill_id"], kw["scratch"]
-    assert bool((args["block_out"][1] == fill).all())
+    assert bool((args["block_out"][1] == fill).all()), (backend, bad)
     assert int(args["requests_out"][1]) == scratch and int(args["start_out"][1]) == 0
     for i in (0, 2):  # the valid rows as the contract says
         row = int(kw["rows"][i])
-        assert int(args["block_out"][i, 0]) == int(kw["last"][row])
-        assert torch.equal(args["block_out"][i, 1:], kw["drafts"][i])
+        assert int(args["block_out"][i, 0]) == int(kw["last"][row]), (backend, bad)
+        assert torch.equal(args["block_out"][i, 1:], kw["drafts"][i]), (backend, bad)
         assert int(args["requests_out"][i]) == row
         assert int(args["start_out"][i]) == int(kw["start"][row])
+
+
+@pytest.mark.parametrize("op,bad", COMMIT_CASES)
+def test_commit_skips_out_of_range_rows(op, bad):
+    check_commit_rows(op, bad)
+
+
+def test_sample_commit_rejects_out_of_vocab_drafts():
+    check_sample_oov()
+
+
+@pytest.mark.parametrize("bad", PREPARE_CASES)
+def test_prepare_step_skips_out_of_range_rows(bad):
+    check_prepare_rows(bad)
 
 
 @pytest.mark.parametrize("op,bad", [(op, bad) for op in LOOP_OPS
@@ -353,3 +377,105 @@ print("interp-ok")
 
 def test_triton_attention_huge_window_interpreted():
     run_interpreted(_TRITON_WINDOW, timeout=300)
+
+
+# --------------------------------------------------------------------------------------------
+# 5. block_attention: query_start_loc holding anything (3 requests, Tq = 8)
+# --------------------------------------------------------------------------------------------
+HOSTILE_QSL = {
+    "past-Tq": [0, 3, 4, 12],  # the last request's rows run past Tq
+    "past-Tq-mid": [0, 5, 11, 12],  # request 1 ends past Tq, request 2 owns no row
+    "negative": [-3, 2, 4, 8],  # request 0 starts before row 0
+    "huge": [0, 3, 4, 2 ** 31 - 1],
+    "huge-negative": [-(2 ** 31), 3, 4, 8],
+    "all-past": [9, 9, 9, 9],  # no request owns a row: all zeros
+    "non-monotone": [0, 6, 2, 8],  # requests 0 and 2 both claim rows 2..5: guards only
+}
+OUT_POISON = 1234.0  # exact in fp16 / bf16 / fp32
+
+
+def check_attention_qsl(name: str, backend: str, device="cpu", dtype=torch.float32) -> None:
+    """Every sample case (causal, window, sinks, GQA) with query_start_loc = HOSTILE_QSL[name]:
+    no write outside ``out`` (guard rows before and after it), and the output equals the torch
+    reference's (rows cut to [0, Tq), positions from the unclamped lengths), except for
+    overlapping requests, whose rows two requests write."""
+    from dflash_ops.triton import attention as TA  # only for the direct split calls
+
+    tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: 1 ulp near 1 is 7.8e-3
+    for case, kw in A.samples(device, dtype)["block_attention"].items():
+        kw = dict(kw, query_start_loc=torch.tensor(HOSTILE_QSL[name], dtype=torch.int32,
+                                                   device=device))
+        with dispatch.use_backend("torch", ops=("block_attention",)):
+            want = A.block_attention(**kw)
+        calls = [None]
+        if backend == "triton":  # the split path and its combine kernel too
+            calls.append(2)
+        for splits in calls:
+            out = Guarded(torch.zeros_like(kw["q"]), OUT_POISON, contiguous=True)
+            if splits is None:
+                with dispatch.use_backend(backend, ops=("block_attention_out_",)):
+                    A.block_attention(**kw, out=out.view)
+            else:
+                TA.block_attention_out_(**kw, out=out.view, splits=splits)
+            what = f"block_attention[{backend}] {case} qsl={name} splits={splits}"
+            out.check(what)
+            got = out.view
+            assert bool(torch.isfinite(got).all()), what
+            if name != "non-monotone":
+                torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol,
+                                           msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_QSL))
+def test_attention_hostile_query_start_loc(name):
+    check_attention_qsl(name, "torch")
+
+
+# --------------------------------------------------------------------------------------------
+# 6. The same cases on the Triton kernels (interpreter) and on the GPU (Triton, CUDA)
+# --------------------------------------------------------------------------------------------
+_TRITON_HOSTILE = r"""
+import torch, triton
+import tests.test_hostile_inputs as h
+for op, bad in h.COMMIT_CASES:
+    h.check_commit_rows(op, bad, "triton")
+h.check_sample_oov("triton")
+for bad in h.PREPARE_CASES:
+    h.check_prepare_rows(bad, "triton")
+for name in h.HOSTILE_QSL:
+    h.check_attention_qsl(name, "triton")
+print("interp-ok")
+"""
+
+
+def test_triton_hostile_values_interpreted():
+    run_interpreted(_TRITON_HOSTILE, timeout=900)
+
+
+def _need(op: str, backend: str) -> None:
+    if not dispatch.has_backend(op, backend):
+        pytest.skip(f"no {backend} kernel for {op} (available: "
+                    f"{dispatch.available_backends(op)})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_loop_hostile_values_gpu(backend):
+    for op in LOOP_OPS:
+        _need(op, backend)
+    for op, bad in COMMIT_CASES:
+        check_commit_rows(op, bad, backend, "cuda")
+    check_sample_oov(backend, "cuda")
+    for bad in PREPARE_CASES:
+        check_prepare_rows(bad, backend, "cuda")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_attention_hostile_query_start_loc_gpu(backend, dtype):
+    _need("block_attention_out_", backend)
+    for name in HOSTILE_QSL:
+        check_attention_qsl(name, backend, "cuda", dtype)
+    torch.cuda.synchronize()

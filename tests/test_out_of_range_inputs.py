@@ -192,3 +192,107 @@ def test_block_attention_without_any_valid_block(what):
     def ok(kw, out, _):
         assert torch.equal(out, torch.zeros_like(kw["q"]))
     _degenerate("block_attention", kw, arg, ok)
+
+
+# --------------------------------------------------------------------------------------------
+# Guard memory, every backend: the out-of-range cases above with every written tensor a view
+# into a larger poisoned buffer; the guards stay intact and the results equal the torch
+# reference's on the same inputs (torch here; Triton under the interpreter; Triton and CUDA on
+# the GPU, where benchmarks/gpu_check.sh also runs them under compute-sanitizer).
+# --------------------------------------------------------------------------------------------
+GUARD_POISON = 1234.0  # exact in fp16 / bf16 / fp32
+
+
+def _case_args(op, mutate, device, dtype):
+    """The op's first sample case on ``device`` / ``dtype`` with ``mutate`` applied."""
+    from dflash_ops.ops import samples
+    kw = dict(next(iter(samples(device, dtype)[op].values())))
+    mutate(kw)  # CPU index tensors
+
+    def dev(v):
+        if isinstance(v, torch.Tensor):
+            return v.to(device)
+        if isinstance(v, (list, tuple)):
+            return type(v)(dev(t) for t in v)
+        return v
+    return {k: dev(v) for k, v in kw.items()}
+
+
+def _guard(kw, names):
+    """kw with every written tensor (or list of them) as a guarded view; the Guarded list."""
+    from tests.test_hostile_inputs import Guarded
+    kw, guards = dict(kw), []
+    for n in names:
+        v = kw[n]
+        many = isinstance(v, (list, tuple))
+        gs = [Guarded(t, GUARD_POISON if t.is_floating_point() else -77, contiguous=True)
+              for t in (v if many else [v])]
+        guards += [(n, g) for g in gs]
+        kw[n] = [g.view for g in gs] if many else gs[0].view
+    return kw, guards
+
+
+def _clone(kw):
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else
+                [t.clone() for t in v] if isinstance(v, (list, tuple)) else v)
+            for k, v in kw.items()}
+
+
+def check_guarded_out_of_range(op, cid, mutate, backend, device="cpu", dtype=torch.float32):
+    from dflash_ops import dispatch as D
+    kw = _case_args(op, mutate, device, dtype)
+    written = list(_written_args(op))
+    want_kw = _clone(kw)
+    with D.use_backend("torch", ops=(op,)):
+        want = _call(op, want_kw)
+    got_kw, guards = _guard(_clone(kw), written)
+    with D.use_backend(backend, ops=(op,)):
+        got = _call(op, got_kw)
+    what = f"{op}[{backend}] {cid} {dtype}"
+    for n, g in guards:
+        g.check(f"{what}: {n}")
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    pairs = [(want, got)] if isinstance(want, torch.Tensor) else []
+    for n in written:
+        w, g = want_kw[n], got_kw[n]
+        pairs += list(zip(w, g)) if isinstance(w, (list, tuple)) else [(w, g)]
+    for w, g in pairs:
+        torch.testing.assert_close(g.float(), w.float(), **tol, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("op, mutate, arg", _debug_params())
+def test_out_of_range_values_guarded_torch(op, mutate, arg):
+    check_guarded_out_of_range(op, arg, mutate, "torch")
+
+
+_TRITON_GUARDED = r"""
+import torch, triton
+from dflash_ops import dispatch
+import tests.test_out_of_range_inputs as t
+n = 0
+for op, cid, mutate, arg in t.DEBUG_CASES:
+    if dispatch.has_backend(op, "triton"):
+        t.check_guarded_out_of_range(op, cid, mutate, "triton")
+        n += 1
+assert n == len(t.DEBUG_CASES), n
+print("interp-ok")
+"""
+
+
+def test_out_of_range_values_guarded_triton_interpreted():
+    from tests.conftest import run_interpreted
+    run_interpreted(_TRITON_GUARDED, timeout=900)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_out_of_range_values_guarded_gpu(backend, dtype):
+    from dflash_ops import dispatch as D
+    ran = 0
+    for op, cid, mutate, arg in DEBUG_CASES:
+        if D.has_backend(op, backend):
+            check_guarded_out_of_range(op, cid, mutate, backend, "cuda", dtype)
+            ran += 1
+    assert ran, f"no {backend} kernel for any case"
+    torch.cuda.synchronize()

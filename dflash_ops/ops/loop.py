@@ -13,9 +13,8 @@ Device values: the contract is that a request whose row is outside ``[0, N)`` or
 a draft token outside ``[0, V)`` is rejected by ``sample_commit_``, tokens past out_tokens' W
 columns are not written, and a ``prepare_step_`` row outside ``[0, N)`` gets the padding entry;
 ``DFLASH_OPS_DEBUG=1`` raises on such rows and counts (every backend). The torch references
-keep it; the Triton kernels do not check rows, negative counts or out-of-vocabulary drafts yet
-(they trust them, as the loop's own state is always in range): pass such values to the torch
-backend only.
+and the Triton kernels both keep it (tests/test_hostile_inputs.py, with guard memory around
+every tensor).
 
 Shapes alone decide every launch (nothing is read on the host), so a whole step can sit in a
 CUDA graph. The torch references are what the kernels are tested against; the torch version

@@ -19,7 +19,9 @@ head)) merges the splits: lse = logsumexp_s(lse_s), o = sum_s exp(lse_s - lse) o
 Attention sinks (per-head logits in the denominator only) are applied at the end, as
 o *= 1 / (1 + exp(sink - lse)) for rows that see at least one key (rows that see none are 0).
 Rows of q outside [query_start_loc[0], query_start_loc[B]) are zeroed by the first and the last
-request's programs.
+request's programs. query_start_loc may hold anything (past Tq, negative, 2^31 - 1): a
+request's rows are cut to [0, Tq) and positions and windows are computed in int64, as in the
+reference; seq_lens are clamped to [0, max_blocks * block_size].
 
 Tested under TRITON_INTERPRET=1 on CPU (fp16/fp32) and on the GPU
 (tests/test_block_attention_gpu.py). Measured 1.5-1.8x slower than the CUDA kernel
@@ -61,6 +63,19 @@ def _zero_rows(out_ptr, t_lo, t_hi, kvh, o_st_t, o_st_h, G: tl.constexpr, D: tl.
 
 
 @triton.jit
+def _query_rows(qsl_ptr, b, Tq):
+    """Request b's query rows, int64: (q0, qlen, tb, te) with q0 = query_start_loc[b], qlen =
+    max(query_start_loc[b + 1] - q0, 0) (its positions are seq_len - qlen + i) and [tb, te) the
+    request tokens i whose row q0 + i lies in [0, Tq): query_start_loc may hold anything."""
+    q0 = tl.load(qsl_ptr + b).to(tl.int64)
+    q1 = tl.load(qsl_ptr + b + 1).to(tl.int64)
+    qlen = tl.maximum(q1 - q0, 0)
+    tb = tl.maximum(-q0, 0)
+    te = tl.minimum(qlen, Tq - q0)
+    return q0, qlen, tb, te
+
+
+@triton.jit
 def _attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, qsl_ptr, sink_ptr, out_ptr, op_ptr,
                  lse_ptr, Tq, B, HKV, M, NB, BS, scale2, window,
                  q_st_t, q_st_h, k_st_b, k_st_r, k_st_h, v_st_b, v_st_r, v_st_h, bt_st,
@@ -73,33 +88,42 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, qsl_ptr, sink_ptr, out_ptr
     b = pid // HKV
     kvh = pid % HKV
     BLOCK_M: tl.constexpr = BLOCK_Q * G
-    q0 = tl.load(qsl_ptr + b)
-    q1 = tl.load(qsl_ptr + b + 1)
-    qlen = tl.maximum(q1 - q0, 0)
+    q0, qlen, tb, te = _query_rows(qsl_ptr, b, Tq)
     seq = tl.minimum(tl.maximum(tl.load(sl_ptr + b), 0), M * BS)
 
     r = tl.arange(0, BLOCK_M)
-    tok = r // G
+    tok = (r // G).to(tl.int64)  # qt may pass 2^31 (a huge query_start_loc)
     hh = kvh * G + r % G
     d = tl.arange(0, D)
     jn = tl.arange(0, BLOCK_N)
     bt_row = bt_ptr + b.to(tl.int64) * bt_st
-    for qt in range(0, qlen, BLOCK_Q):
-        row_ok = qt + tok < qlen
+    for qt in range(tb, te, BLOCK_Q):
+        row_ok = qt + tok < te
         t = q0 + qt + tok
-        pos = seq - qlen + qt + tok
-        q = tl.load(q_ptr + t.to(tl.int64)[:, None] * q_st_t + (hh * q_st_h)[:, None] + d[None, :],
+        q = tl.load(q_ptr + t[:, None] * q_st_t + (hh * q_st_h)[:, None] + d[None, :],
                     mask=row_ok[:, None], other=0.0)
+        # Positions in int64 (query_start_loc may hold anything); each row's visible keys
+        # [klo, khi] and the chunk's key range [lo, hi) clamped into [0, seq] before int32.
+        pos = seq - qlen + qt + tok
+        klo = pos * 0
+        khi = pos * 0 + seq - 1
         first = seq - qlen + qt  # positions of this chunk's first and last tokens
-        last = seq - qlen + tl.minimum(qt + BLOCK_Q, qlen) - 1
-        lo = seq * 0
-        hi = seq
+        last = seq - qlen + tl.minimum(qt + BLOCK_Q, te) - 1
+        lo = first * 0
+        hi = first * 0 + seq
         if CAUSAL:
+            khi = tl.minimum(khi, pos)
             hi = tl.minimum(hi, last + 1)
         if window > 0:
+            klo = tl.maximum(klo, pos - window + 1)
             lo = tl.maximum(lo, first - window + 1)
             if not CAUSAL:
+                khi = tl.minimum(khi, pos + window - 1)
                 hi = tl.minimum(hi, last + window)
+        klo = tl.minimum(klo, seq).to(tl.int32)
+        khi = tl.maximum(khi, -1).to(tl.int32)
+        lo = tl.minimum(lo, seq).to(tl.int32)
+        hi = tl.maximum(hi, 0).to(tl.int32)
         span = tl.maximum(hi - lo, 0)
         chunk = tl.cdiv(tl.cdiv(span, SPLITS), BLOCK_N) * BLOCK_N
         start = lo + s * chunk
@@ -122,13 +146,9 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, qsl_ptr, sink_ptr, out_ptr
             sc = _dot(q, tl.trans(k)) * scale2
             vis = ok[None, :] & row_ok[:, None]
             if CAUSAL:
-                vis = vis & (j[None, :] <= pos[:, None])
-            if window > 0:
-                dist = pos[:, None] - j[None, :]
-                if CAUSAL:
-                    vis = vis & (dist < window)
-                else:
-                    vis = vis & (dist < window) & (dist > -window)
+                vis = vis & (j[None, :] >= klo[:, None]) & (j[None, :] <= khi[:, None])
+            elif window > 0:
+                vis = vis & (j[None, :] >= klo[:, None]) & (j[None, :] <= khi[:, None])
             sc = tl.where(vis, sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -145,38 +165,41 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, qsl_ptr, sink_ptr, out_ptr
             if HAS_SINKS:
                 sink2 = tl.load(sink_ptr + hh).to(tl.float32) * 1.4426950408889634
                 o = o * (1.0 / (1.0 + tl.exp2(sink2 - tl.where(seen, lse2, 0.0))))[:, None]
-            optr = out_ptr + t.to(tl.int64)[:, None] * o_st_t + (hh * o_st_h)[:, None] + d[None, :]
+            optr = out_ptr + t[:, None] * o_st_t + (hh * o_st_h)[:, None] + d[None, :]
             tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
         else:
-            pptr = (op_ptr + s * op_st_s + t.to(tl.int64)[:, None] * op_st_t
+            pptr = (op_ptr + s * op_st_s + t[:, None] * op_st_t
                     + (hh * op_st_h)[:, None] + d[None, :])
             wrote = row_ok & ((start + tok * 0) < end)  # an empty split writes only its lse
             tl.store(pptr, o, mask=wrote[:, None])
-            tl.store(lse_ptr + s * lse_st_s + t.to(tl.int64) * lse_st_t + hh, lse2, mask=row_ok)
+            tl.store(lse_ptr + s * lse_st_s + t * lse_st_t + hh, lse2, mask=row_ok)
 
     if s == 0:  # rows no request owns: zeros
         if b == 0:
-            _zero_rows(out_ptr, 0, tl.minimum(q0, Tq), kvh, o_st_t, o_st_h, G, D, BLOCK_Q)
+            _zero_rows(out_ptr, 0, tl.minimum(tl.maximum(q0, 0), Tq), kvh, o_st_t, o_st_h, G, D,
+                       BLOCK_Q)
         if b == B - 1:
-            _zero_rows(out_ptr, tl.maximum(q1, 0), Tq, kvh, o_st_t, o_st_h, G, D, BLOCK_Q)
+            q_end = tl.load(qsl_ptr + b + 1).to(tl.int64)
+            _zero_rows(out_ptr, tl.minimum(tl.maximum(q_end, 0), Tq), Tq, kvh, o_st_t, o_st_h,
+                       G, D, BLOCK_Q)
 
 
 @triton.jit
-def _combine_kernel(qsl_ptr, sink_ptr, out_ptr, op_ptr, lse_ptr, HKV, o_st_t, o_st_h, op_st_s,
+def _combine_kernel(qsl_ptr, sink_ptr, out_ptr, op_ptr, lse_ptr, Tq, HKV, o_st_t, o_st_h, op_st_s,
                     op_st_t, op_st_h, lse_st_s, lse_st_t, G: tl.constexpr, D: tl.constexpr,
                     BLOCK_Q: tl.constexpr, SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr):
     pid = tl.program_id(0)
     b = pid // HKV
     kvh = pid % HKV
     BLOCK_M: tl.constexpr = BLOCK_Q * G
-    q0 = tl.load(qsl_ptr + b)
-    qlen = tl.maximum(tl.load(qsl_ptr + b + 1) - q0, 0)
+    q0, qlen, tb, te = _query_rows(qsl_ptr, b, Tq)
     r = tl.arange(0, BLOCK_M)
     hh = kvh * G + r % G
     d = tl.arange(0, D)
-    for qt in range(0, qlen, BLOCK_Q):
-        row_ok = qt + r // G < qlen
-        t = (q0 + qt + r // G).to(tl.int64)
+    tok = (r // G).to(tl.int64)
+    for qt in range(tb, te, BLOCK_Q):
+        row_ok = qt + tok < te
+        t = q0 + qt + tok
         m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         for s in range(SPLITS):
             m = tl.maximum(m, tl.load(lse_ptr + s * lse_st_s + t * lse_st_t + hh, mask=row_ok,
@@ -247,12 +270,6 @@ def block_attention_out_(q, k_cache, v_cache, block_table, seq_lens, query_start
     else:
         part = lse = out  # unused
     sink = sinks if sinks is not None else q
-    # A window of at least the longest key span masks nothing: |pos - j| < m * bs + tq (keys
-    # j < m * bs, pos >= -tq while query_start_loc lies in [0, tq]). Run it as no window, so
-    # that the kernel's int32 ``last + window`` cannot overflow (2^31 - 1 would hide every key).
-    window = int(window)
-    if window >= m * bs + tq:
-        window = -1
     _attn_kernel[(b * hkv, n_split)](
         q, k_cache, v_cache, block_table, seq_lens, query_start_loc, sink, out, part, lse,
         tq, b, hkv, m, nb, bs, float(scale) * LOG2E, window,
@@ -264,7 +281,7 @@ def block_attention_out_(q, k_cache, v_cache, block_table, seq_lens, query_start
         HAS_SINKS=sinks is not None, num_warps=4, num_stages=2)
     if n_split > 1:
         _combine_kernel[(b * hkv,)](
-            query_start_loc, sink, out, part, lse, hkv, out.stride(0), out.stride(1),
+            query_start_loc, sink, out, part, lse, tq, hkv, out.stride(0), out.stride(1),
             part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
             G=g, D=d, BLOCK_Q=block_q, SPLITS=n_split, HAS_SINKS=sinks is not None,
             num_warps=4)

@@ -12,6 +12,11 @@ Commit: one program per active request r (row ``rows[r]`` of the per-request sta
   of the verify that become the drafter's context), kept[r], done[r].
 Rows are distinct, so programs never touch the same state. Shapes only decide the launch
 (B and the stop-list length as constexprs): graph-capturable.
+
+Device values are bounds-checked as ``ops/loop.py`` documents: a request whose row is outside
+[0, N) or whose n_out[row] < 0 commits nothing (kept 0, done False, ctx_pos -1, no state or
+token written), a sampled draft outside [0, V) is rejected (its probabilities are not read), a
+``prepare_step_`` row outside [0, N) gets the padding entry.
 """
 from __future__ import annotations
 
@@ -24,29 +29,33 @@ from .. import dispatch
 
 @triton.jit
 def _commit(new, match, r, j, rows_ptr, n_out_ptr, start_ptr, last_ptr, stop_ptr, out_ptr,
-            ctx_pos_ptr, kept_ptr, done_ptr, out_stride, out_width, n_stop, max_new,
+            ctx_pos_ptr, kept_ptr, done_ptr, out_stride, out_width, n_stop, max_new, N,
             B: tl.constexpr, SP: tl.constexpr):
     """The commit shared by both kernels: the new tokens new[j] (j <= match) of request r, cut
-    after the first stop token and at max_new - n_out; the state of row rows[r] updated."""
+    after the first stop token and at max_new - n_out; the state of row rows[r] updated (none
+    when the row is outside [0, N) or its n_out < 0)."""
     row = tl.load(rows_ptr + r)
+    ok = (row >= 0) & (row < N)
+    row = tl.where(ok, row, 0)
+    n_out = tl.load(n_out_ptr + row, mask=ok, other=0)
+    ok = ok & (n_out >= 0)
     s = tl.arange(0, SP)
     stops = tl.load(stop_ptr + s, mask=s < n_stop, other=0)
     hit = (new[:, None] == stops[None, :]) & (s[None, :] < n_stop)
     is_stop = (tl.max(hit.to(tl.int32), axis=1) > 0) & (j <= match)
     first_stop = tl.min(tl.where(is_stop, j, B), axis=0)
-    n_out = tl.load(n_out_ptr + row)
     room = max_new - n_out
     kept = tl.minimum(tl.minimum(match + 1, room), first_stop + 1)
-    kept = tl.maximum(kept, 0)
-    done = (kept >= room) | (first_stop < kept)
+    kept = tl.where(ok, tl.maximum(kept, 0), 0)
+    done = ((kept >= room) | (first_stop < kept)) & ok
     col = n_out + j
     tl.store(out_ptr + row * out_stride + col, new, mask=(j < kept) & (col < out_width))
     last = tl.sum(tl.where(j == tl.maximum(kept - 1, 0), new, 0), axis=0)
-    start = tl.load(start_ptr + row)
+    start = tl.load(start_ptr + row, mask=ok, other=0)
     tl.store(ctx_pos_ptr + r * B + j, tl.where(j < kept, start + j, -1), mask=j < B)
-    tl.store(n_out_ptr + row, n_out + kept)
-    tl.store(start_ptr + row, start + kept)
-    tl.store(last_ptr + row, last)
+    tl.store(n_out_ptr + row, n_out + kept, mask=ok)
+    tl.store(start_ptr + row, start + kept, mask=ok)
+    tl.store(last_ptr + row, last, mask=ok)
     tl.store(kept_ptr + r, kept)
     tl.store(done_ptr + r, done.to(tl.int8))
 
@@ -54,7 +63,7 @@ def _commit(new, match, r, j, rows_ptr, n_out_ptr, start_ptr, last_ptr, stop_ptr
 @triton.jit
 def _greedy_commit_kernel(block_ptr, post_ptr, rows_ptr, n_out_ptr, start_ptr, last_ptr,
                           out_ptr, stop_ptr, ctx_pos_ptr, kept_ptr, done_ptr,
-                          out_stride, out_width, n_stop, max_new,
+                          out_stride, out_width, n_stop, max_new, N,
                           B: tl.constexpr, BP: tl.constexpr, SP: tl.constexpr):
     r = tl.program_id(0)
     j = tl.arange(0, BP)
@@ -63,7 +72,7 @@ def _greedy_commit_kernel(block_ptr, post_ptr, rows_ptr, n_out_ptr, start_ptr, l
     agree = (drafts == post) & (j < B - 1)
     match = tl.min(tl.where(agree, B - 1, j), axis=0)  # first disagreement (B - 1: none)
     _commit(post, match, r, j, rows_ptr, n_out_ptr, start_ptr, last_ptr, stop_ptr, out_ptr,
-            ctx_pos_ptr, kept_ptr, done_ptr, out_stride, out_width, n_stop, max_new, B, SP)
+            ctx_pos_ptr, kept_ptr, done_ptr, out_stride, out_width, n_stop, max_new, N, B, SP)
 
 
 @triton.jit
@@ -81,16 +90,17 @@ def _row_chunk(p_row, q_row, kv, V, q_lim):
 def _sample_commit_kernel(block_ptr, p_ptr, q_ptr, u_ptr, ures_ptr, rows_ptr, n_out_ptr,
                           start_ptr, last_ptr, out_ptr, stop_ptr, ctx_pos_ptr, kept_ptr,
                           done_ptr, sp_r, sp_j, sq_r, sq_j, V, out_stride, out_width, n_stop,
-                          max_new, B: tl.constexpr, BP: tl.constexpr, SP: tl.constexpr,
+                          max_new, N, B: tl.constexpr, BP: tl.constexpr, SP: tl.constexpr,
                           BV: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)  # r * sp_r can pass 2^31 at large R * B * V
     j = tl.arange(0, BP)
     is_d = j < B - 1
     drafts = tl.load(block_ptr + r * B + j + 1, mask=is_d, other=0)
-    p_d = tl.load(p_ptr + r * sp_r + j * sp_j + drafts, mask=is_d, other=0.0)
-    q_d = tl.load(q_ptr + r * sq_r + j * sq_j + drafts, mask=is_d, other=0.0)
+    in_v = is_d & (drafts >= 0) & (drafts < V)  # a draft outside the vocabulary is rejected
+    p_d = tl.load(p_ptr + r * sp_r + j * sp_j + drafts, mask=in_v, other=0.0)
+    q_d = tl.load(q_ptr + r * sq_r + j * sq_j + drafts, mask=in_v, other=0.0)
     u = tl.load(u_ptr + r * (B - 1) + j, mask=is_d, other=1.0)
-    ok = (u * q_d < p_d) & is_d
+    ok = (u * q_d < p_d) & in_v
     match = tl.min(tl.where(ok, B - 1, j), axis=0)  # first rejection (B - 1: all accepted)
     # the draw at position match: max(p - q, 0) (q = 0 after B-1 acceptances), else p
     p_row = p_ptr + r * sp_r + match * sp_j
@@ -125,7 +135,7 @@ def _sample_commit_kernel(block_ptr, p_ptr, q_ptr, u_ptr, ures_ptr, rows_ptr, n_
     token = tl.where(first < V, first, tl.where(use_r, last_r, last_p)).to(tl.int64)
     new = tl.where(j == match, token, drafts)
     _commit(new, match, r, j, rows_ptr, n_out_ptr, start_ptr, last_ptr, stop_ptr, out_ptr,
-            ctx_pos_ptr, kept_ptr, done_ptr, out_stride, out_width, n_stop, max_new, B, SP)
+            ctx_pos_ptr, kept_ptr, done_ptr, out_stride, out_width, n_stop, max_new, N, B, SP)
 
 
 def _stops(stop_ids):
@@ -143,8 +153,8 @@ def greedy_commit_(block, post, rows, n_out, start, last, out_tokens, stop_ids, 
     _greedy_commit_kernel[(r,)](
         block.contiguous(), post.contiguous(), rows, n_out, start, last, out_tokens,
         _stops(stop_ids), ctx_pos, kept, done.view(torch.int8), out_tokens.stride(0),
-        out_tokens.shape[1], stop_ids.numel(), max_new, B=b, BP=triton.next_power_of_2(b),
-        SP=triton.next_power_of_2(max(1, stop_ids.numel())))
+        out_tokens.shape[1], stop_ids.numel(), max_new, n_out.shape[0], B=b,
+        BP=triton.next_power_of_2(b), SP=triton.next_power_of_2(max(1, stop_ids.numel())))
 
 
 def sample_commit_(block, p, q, u, u_res, rows, n_out, start, last, out_tokens, stop_ids,
@@ -160,7 +170,7 @@ def sample_commit_(block, p, q, u, u_res, rows, n_out, start, last, out_tokens, 
         block.contiguous(), p, q, u.contiguous(), u_res.contiguous(), rows, n_out, start, last,
         out_tokens, _stops(stop_ids), ctx_pos, kept, done.view(torch.int8), p.stride(0),
         p.stride(1), q.stride(0), q.stride(1), v, out_tokens.stride(0), out_tokens.shape[1],
-        stop_ids.numel(), max_new, B=b, BP=triton.next_power_of_2(b),
+        stop_ids.numel(), max_new, n_out.shape[0], B=b, BP=triton.next_power_of_2(b),
         SP=triton.next_power_of_2(max(1, stop_ids.numel())),
         BV=min(4096, triton.next_power_of_2(v)))
 
@@ -168,31 +178,34 @@ def sample_commit_(block, p, q, u, u_res, rows, n_out, start, last, out_tokens, 
 @triton.jit
 def _prepare_step_kernel(rows_ptr, last_ptr, start_ptr, drafts_ptr, ctx_rows_ptr, ctx_pos_ptr,
                          block_ptr, req_ptr, st_ptr, ctx_req_ptr, ctx_pos_out_ptr,
-                         R, P, RC, C, fill_id, scratch,
+                         N, R, P, RC, C, fill_id, scratch,
                          B: tl.constexpr, BP: tl.constexpr, HAS_DRAFTS: tl.constexpr):
     """Program i: block row i (i < P) and context entries [i * B, i * B + B) (< C). Scalars are
-    stored as lane 0 of a vector (masked), so every store has one form."""
+    stored as lane 0 of a vector (masked), so every store has one form. Block rows past R, or
+    whose state row is outside [0, N), get the padding entry."""
     i = tl.program_id(0)
     j = tl.arange(0, BP)
     in_b = j < B
     lane0 = j == 0
     zeros = tl.zeros((BP,), tl.int64)
     if i < P:
-        if i < R:
-            row = tl.load(rows_ptr + i)
-            tok = tl.load(last_ptr + row)
-            st = tl.load(start_ptr + row)
-            if HAS_DRAFTS:
-                d = tl.load(drafts_ptr + i * (B - 1) + j - 1, mask=(j >= 1) & in_b, other=0)
-            else:
-                d = zeros + fill_id
-            tl.store(block_ptr + i * B + j, tl.where(lane0, zeros + tok, d), mask=in_b)
-            tl.store(req_ptr + i + j, zeros + row, mask=lane0)
-            tl.store(st_ptr + i + j, zeros + st, mask=lane0)
+        # rows[i] (i < R) read as lane 0 of a vector, and ok as a vector (okv) where it meets
+        # one: the interpreter rejects a scalar i < R as a mask and a scalar & vector mask
+        has = lane0 & (i + j < R)
+        row = tl.sum(tl.load(rows_ptr + i + j, mask=has, other=0), axis=0)
+        ok = (tl.sum(has.to(tl.int32), axis=0) > 0) & (row >= 0) & (row < N)
+        okv = (zeros + ok.to(tl.int64)) > 0
+        row = tl.where(ok, row, 0)
+        tok = tl.load(last_ptr + row, mask=ok, other=0)
+        st = tl.load(start_ptr + row, mask=ok, other=0)
+        if HAS_DRAFTS:
+            d = tl.load(drafts_ptr + i * (B - 1) + j - 1, mask=(j >= 1) & in_b & okv, other=0)
+            d = tl.where(ok, d, fill_id)
         else:
-            tl.store(block_ptr + i * B + j, zeros + fill_id, mask=in_b)
-            tl.store(req_ptr + i + j, zeros + scratch, mask=lane0)
-            tl.store(st_ptr + i + j, zeros, mask=lane0)
+            d = zeros + fill_id
+        tl.store(block_ptr + i * B + j, tl.where(lane0 & okv, zeros + tok, d), mask=in_b)
+        tl.store(req_ptr + i + j, zeros + tl.where(ok, row, scratch), mask=lane0)
+        tl.store(st_ptr + i + j, zeros + st, mask=lane0)
     e = i * B + j
     in_c = in_b & (e < C)
     if i < RC:
@@ -217,7 +230,7 @@ def prepare_step_(rows, last, start, drafts, ctx_rows, ctx_pos, fill_id: int, sc
         return
     _prepare_step_kernel[(grid,)](
         rows, last, start, drafts, ctx_rows, ctx_pos, block_out, requests_out, start_out,
-        ctx_req_out, ctx_pos_out, r, p, ctx_rows.shape[0], c, fill_id, scratch,
+        ctx_req_out, ctx_pos_out, last.shape[0], r, p, ctx_rows.shape[0], c, fill_id, scratch,
         B=b, BP=triton.next_power_of_2(b), HAS_DRAFTS=drafts.shape[0] > 0)
 
 
