@@ -2,12 +2,15 @@
 # The one script run on the H200 (device tool): install (builds dflash_ops._C), info, check, the
 # GPU tests, the benchmarks. Logs and result tables go under $OUT (at most 8 files come back:
 # more are packed into $OUT/all.tgz at the end).
-# Usage: bash benchmarks/gpu_check.sh [build|tests|sanitize|bench|ctx|attn|linear|drafter|e2e|models|compare|profile|cmake|all]
+# Usage: bash benchmarks/gpu_check.sh [build|tests|sanitize|vllm|bench|ctx|attn|linear|drafter|e2e|models|compare|profile|cmake|all]
 #   all:     tests + bench + ctx; build: install, info and check only
 #   sanitize: the hostile-value GPU tests (tests/test_hostile_inputs.py,
 #            tests/test_out_of_range_inputs.py) under compute-sanitizer memcheck and racecheck
 #            (SAN_TOOLS), with the caching allocator off so that every tensor is its own
 #            allocation; each must report 0 errors
+#   vllm:    real vLLM (carry the bundle: cp ../shared/vllm/* .vllm/) with the plugin:
+#            benchmarks/vllm_check.py caches for each VLLM_COMBOS entry (runner:eager|graphs),
+#            then stock vs plugin greedy outputs (generate) while VLLM_BUDGET_S lasts
 #   attn:    the attention suite (BENCH_ARGS: --quick, --cases, --tables, --no-flex)
 #   models:  bench_drafter (DRAFTER_ARGS, default --no-ref), bench_e2e (E2E_ARGS, default --quick)
 #            and profile_step (PROFILE_ARGS) in one call
@@ -65,6 +68,42 @@ if [ "$what" = sanitize ]; then
     grep -E "^(FAILED|ERROR)|Invalid|Race|Hazard" "$OUT/sanitize_$tool.log" | head -20
     echo "$tool: $(( $(date +%s) - t0 )) s"
   done
+fi
+if [ "$what" = vllm ]; then
+  # shellcheck disable=SC1091
+  . .vllm/install_on_gpu.sh .vllm/vllm-bundle.tar.xz > "$OUT/vllm_install.log" 2>&1 \
+    || { tail -20 "$OUT/vllm_install.log"; exit 1; }
+  tail -1 "$OUT/vllm_install.log"
+  pair=/tmp/vllm-pair
+  python3 benchmarks/vllm_check.py make-pair $pair --width "${VLLM_WIDTH:-tiny}"
+  for combo in ${VLLM_COMBOS:-0:eager 0:graphs 1:graphs}; do
+    runner=${combo%%:*}; mode=${combo##*:}; flag=""; [ "$mode" = eager ] && flag=--eager
+    log="$OUT/vllm_caches_v${runner}_$mode.log"
+    VLLM_USE_V2_MODEL_RUNNER=$runner timeout "${VLLM_TIMEOUT:-240}" python3 \
+      benchmarks/vllm_check.py caches $pair $flag >"$log" 2>&1
+    r=$?; [ $r -ne 0 ] && rc=$r
+    echo "caches runner v$runner $mode (rc $r): $(grep '"summary"' "$log" | tail -1)"
+    [ $r -ne 0 ] && grep -E "Error|error|Traceback" "$log" | tail -8
+    echo "vllm: $(( $(date +%s) - t0 )) s"
+  done
+  for side in stock plugin; do
+    if [ $(( $(date +%s) - t0 )) -gt "${VLLM_BUDGET_S:-420}" ]; then
+      echo "vllm: no time for generate ($side)"; break
+    fi
+    en=1; [ $side = stock ] && en=0
+    DFLASH_OPS_VLLM=$en timeout "${VLLM_TIMEOUT:-240}" python3 benchmarks/vllm_check.py \
+      generate $pair --out "$OUT/vllm_gen_$side.json" >"$OUT/vllm_gen_$side.log" 2>&1
+    r=$?; [ $r -ne 0 ] && rc=$r
+    echo "generate $side (rc $r): $(tail -1 "$OUT/vllm_gen_$side.log" | cut -c1-400)"
+  done
+  if [ -f "$OUT/vllm_gen_stock.json" ] && [ -f "$OUT/vllm_gen_plugin.json" ]; then
+    python3 - "$OUT/vllm_gen_stock.json" "$OUT/vllm_gen_plugin.json" <<'PY'
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:])
+same = sum(x == y for x, y in zip(a["outputs"], b["outputs"]))
+print(f"generate: {same} of {len(a['outputs'])} requests equal (stock vs plugin, bf16)")
+PY
+  fi
 fi
 if [ "$what" = compare ]; then
   old_dir=${OLD_DIR:-.old}

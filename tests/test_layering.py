@@ -1,6 +1,6 @@
 """The package's layers import downwards only: the kernels (``ops``, ``triton``) know nothing of
 the models, the models nothing of the loop that drives them (``speculator``) or the
-benchmarks. Every module's imports are read with ``ast``, those inside functions included."""
+benchmarks, and the vLLM plugin (``integrations``) sits on the ops alone. Every module's imports are read with ``ast``, those inside functions included."""
 from __future__ import annotations
 
 import ast
@@ -11,10 +11,13 @@ import pytest
 PKG = Path(__file__).resolve().parent.parent / "dflash_ops"
 
 # package -> the packages it must not import
+_TOP = ("dflash_ops.speculator", "dflash_ops.bench", "dflash_ops.integrations")
 FORBIDDEN = {
-    "dflash_ops.ops": ("dflash_ops.models", "dflash_ops.speculator", "dflash_ops.bench"),
-    "dflash_ops.triton": ("dflash_ops.models", "dflash_ops.speculator", "dflash_ops.bench"),
-    "dflash_ops.models": ("dflash_ops.speculator", "dflash_ops.bench"),
+    "dflash_ops.ops": ("dflash_ops.models",) + _TOP,
+    "dflash_ops.triton": ("dflash_ops.models",) + _TOP,
+    "dflash_ops.models": _TOP,
+    # the vLLM plugin sits on the ops only (vLLM brings its own model and loop)
+    "dflash_ops.integrations": ("dflash_ops.models", "dflash_ops.speculator", "dflash_ops.bench"),
 }
 
 

@@ -4,10 +4,10 @@ config parser (``hf_config``), the paged KV cache (``cache``) and the linear lay
 (``linear``)."""
 from .config import DFlashConfig, default_target_layer_ids, validate_fc
 from .weights import (
-    check_drafter_state, expected_shapes, load_state, save_speculators, save_zlab, stack_kv,
-    zlab_to_speculators,
+    check_drafter_state, expected_shapes, load_state, save_speculators, save_target, save_zlab,
+    stack_kv, zlab_to_speculators,
 )
 
 __all__ = ["DFlashConfig", "default_target_layer_ids", "validate_fc", "check_drafter_state",
-           "expected_shapes", "load_state", "save_speculators", "save_zlab", "stack_kv",
-           "zlab_to_speculators"]
+           "expected_shapes", "load_state", "save_speculators", "save_target", "save_zlab",
+           "stack_kv", "zlab_to_speculators"]

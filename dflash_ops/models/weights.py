@@ -281,6 +281,14 @@ def save_zlab(directory: "str | os.PathLike", cfg_dict: dict, state: dict, shard
     return directory
 
 
+def save_target(directory: "str | os.PathLike", cfg_dict: dict, state: dict,
+                shards: int = 1) -> str:
+    """Write an HF-format target checkpoint (config.json of a Qwen3ForCausalLM /
+    LlamaForCausalLM + safetensors under the HF names, e.g. ``target.random_state``'s), which
+    transformers and vLLM load. Returns the directory."""
+    return save_zlab(directory, cfg_dict, state, shards)
+
+
 # z-lab top-level / dflash_config keys that are not layer config in speculators format.
 _DRAFT_KEYS = ("architectures", "auto_map", "dflash_config", "block_size", "num_target_layers",
                "target_hidden_size", "draft_vocab_size", "is_causal", "causal",

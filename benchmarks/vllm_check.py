@@ -1,0 +1,213 @@
+"""The vLLM plugin inside real vLLM (the bundle of ``.vllm/``, see benchmarks/gpu_check.sh vllm).
+
+One engine per process (vLLM's own rule of thumb); the engine core runs in this process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the drafter class can be instrumented:
+
+  python benchmarks/vllm_check.py make-pair DIR [--width tiny|8b]
+      an HF Qwen3 target (DIR/target) and a z-lab DFlash drafter (DIR/drafter), random weights
+  python benchmarks/vllm_check.py caches DIR [--eager] [--calls N] [--dtype bfloat16]
+      for the first N precompute calls that write: vLLM's own method into the real caches,
+      those caches saved and restored, then the plugin's; the two results compared per layer:
+      the K and V rows the slots address within the tolerance, every other element bit-equal. The runner
+      is vLLM's choice or VLLM_USE_V2_MODEL_RUNNER's. Prints one JSON line per call and a
+      summary line; exits 1 when a call is out of tolerance or the plugin did not run.
+  python benchmarks/vllm_check.py generate DIR [--eager] --out FILE.json
+      greedy outputs and vLLM's speculative-decoding counters (DFLASH_OPS_VLLM=0: stock vLLM)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+
+WIDTHS = {  # hidden, target layers, heads, kv heads, head_dim, inter, vocab, draft layers
+    "tiny": (512, 4, 8, 4, 64, 1024, 2048, 2),
+    "8b": (4096, 6, 32, 8, 128, 12288, 151936, 5),
+}
+BLOCK = 16  # drafter block: 15 speculative tokens
+
+
+def make_pair(root: str, width: str) -> None:
+    import torch
+    from dflash_ops.models import save_target, save_zlab
+    from dflash_ops.models.config import DFlashConfig
+    from dflash_ops.models.drafter import random_drafter_state
+    from dflash_ops.models.target import TargetConfig, random_state
+
+    h, lt, nh, nkv, hd, inter, vocab, ld = WIDTHS[width]
+    tcfg = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=h,
+                num_hidden_layers=lt, num_attention_heads=nh, num_key_value_heads=nkv,
+                head_dim=hd, intermediate_size=inter, vocab_size=vocab, hidden_act="silu",
+                max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6,
+                tie_word_embeddings=False, attention_bias=False, torch_dtype="bfloat16",
+                bos_token_id=0, eos_token_id=1)
+    tc = TargetConfig(hidden_size=h, num_layers=lt, num_heads=nh, num_kv_heads=nkv, head_dim=hd,
+                      intermediate_size=inter, vocab_size=vocab, rope_theta=1e6,
+                      max_position_embeddings=40960)
+    taps = [1, lt - 2]
+    dcfg = dict(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=h,
+                num_hidden_layers=ld, num_attention_heads=nh, num_key_value_heads=nkv,
+                head_dim=hd, intermediate_size=inter, vocab_size=vocab, hidden_act="silu",
+                max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6,
+                attention_bias=False, tie_word_embeddings=False, torch_dtype="bfloat16",
+                num_target_layers=lt, block_size=BLOCK,
+                dflash_config={"target_layer_ids": taps, "mask_token_id": vocab - 1})
+    dc = DFlashConfig.from_dict(dcfg, source="vllm_check drafter")
+    bf = {k: v.to(torch.bfloat16) for k, v in random_state(tc, seed=0).items()}
+    save_target(os.path.join(root, "target"), tcfg, bf)
+    ds = {k: v.to(torch.bfloat16) for k, v in random_drafter_state(dc, seed=1).items()}
+    save_zlab(os.path.join(root, "drafter"), dcfg, ds)
+    print(f"pair {width} in {root}: target {lt} layers H {h} vocab {vocab}, drafter {ld} layers")
+
+
+def _llm(root: str, eager: bool, dtype: str, max_num_seqs: int = 8, max_model_len: int = 4096,
+         **kw):
+    from vllm import LLM
+    return LLM(**kw, model=os.path.join(root, "target"), skip_tokenizer_init=True, dtype=dtype,
+               max_model_len=max_model_len, gpu_memory_utilization=0.3, enforce_eager=eager,
+               seed=0, max_num_seqs=max_num_seqs, disable_log_stats=False,
+               attention_config={"backend": "TRITON_ATTN"},
+               speculative_config={"method": "dflash", "model": os.path.join(root, "drafter"),
+                                   "num_speculative_tokens": BLOCK - 1,
+                                   "attention_backend": "TRITON_ATTN"})
+
+
+def _prompts(root: str, n: int = 4, lens=(37, 300, 5, 129)):
+    import torch
+    with open(os.path.join(root, "target", "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    g = torch.Generator().manual_seed(5)
+    return [{"prompt_token_ids": torch.randint(2, vocab - 2, (lens[i % len(lens)],),
+                                               generator=g).tolist()} for i in range(n)]
+
+
+def check_caches(args) -> int:
+    import torch
+    from vllm import SamplingParams
+    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM as Stock
+    from dflash_ops.integrations.vllm import model as pm
+    from dflash_ops.integrations.vllm.cache import kv_views
+
+    ours = pm.DFlashOpsQwen3ForCausalLM.precompute_and_store_context_kv
+    records = []
+
+    def checked(self, x, pos, slots=None):
+        if slots is None or len(records) >= args.calls:
+            return ours(self, x, pos, slots)
+        caches = [a.kv_cache for a in self.model._attn_layers]
+        caches = [c[0] if isinstance(c, (list, tuple)) else c for c in caches]
+        before = [c.clone() for c in caches]
+        Stock.precompute_and_store_context_kv(self, x, pos, slots)
+        want = [c.clone() for c in caches]
+        for c, b in zip(caches, before):
+            c.copy_(b)
+        ours(self, x, pos, slots)
+        torch.cuda.synchronize()
+        used = getattr(self, "_dflash_ops_cached", (None, None))[1] is not None
+        rec = {"call": len(records), "rows": int(x.shape[0]), "plugin_ran": used,
+               "slots": type(slots).__name__, "layers": []}
+        m = self.model
+        for i, (c, w, b) in enumerate(zip(caches, want, before)):
+            # the elements the slots address (slot >= 0), in K and in V
+            s = slots[i] if isinstance(slots, (list, tuple)) else slots
+            written = torch.zeros(c.shape, dtype=torch.bool, device=c.device)
+            if s is not None:
+                mk, mv = kv_views(written, m._num_kv_heads, m._head_dim)
+                bs = mk.shape[1]
+                s = s[(s >= 0) & (s < mk.shape[0] * bs)]
+                mk[s // bs, s % bs] = True
+                mv[s // bs, s % bs] = True
+            lay = {"written": int(written.sum()),
+                   "unwritten_changed": int(((c != b) & ~written).sum())}
+            for name, (cv, wv) in zip("kv", zip(kv_views(c, m._num_kv_heads, m._head_dim),
+                                                 kv_views(w, m._num_kv_heads, m._head_dim))):
+                sel = (mk if name == "k" else mv) if s is not None else None
+                got = cv[sel].float() if sel is not None else cv.flatten()[:0].float()
+                ref = wv[sel].float() if sel is not None else got
+                err = (got - ref).abs()
+                lay[name] = {"max_err": err.max().item() if err.numel() else 0.0,
+                             "max_rel": (err.max() / ref.abs().max().clamp_min(1e-30)).item()
+                             if err.numel() else 0.0,
+                             "not_equal": int((got != ref).sum())}
+            lay["max_rel"] = max(lay["k"]["max_rel"], lay["v"]["max_rel"])
+            rec["layers"].append(lay)
+        rec["ok"] = used and all(l["max_rel"] <= args.rel_tol and l["unwritten_changed"] == 0
+                                 and l["written"] > 0 for l in rec["layers"])
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+
+    pm.DFlashOpsQwen3ForCausalLM.precompute_and_store_context_kv = checked
+    t0 = time.time()
+    llm = _llm(args.root, args.eager, args.dtype, num_gpu_blocks_override=512)  # small caches:
+    t1 = time.time()  # each checked call clones the drafter's caches twice
+    outs = llm.generate(_prompts(args.root), SamplingParams(max_tokens=24, temperature=0.0,
+                                                            ignore_eos=True, detokenize=False))
+    n_tok = sum(len(o.outputs[0].token_ids) for o in outs)
+    ok = bool(records) and all(r["ok"] for r in records)
+    print(json.dumps({"summary": "caches", "runner_v2": os.environ.get(
+        "VLLM_USE_V2_MODEL_RUNNER", "default"), "eager": args.eager, "dtype": args.dtype,
+        "calls_checked": len(records), "all_ok": ok, "tokens": n_tok,
+        "engine_start_s": round(t1 - t0, 1), "generate_s": round(time.time() - t1, 1),
+        "worst_rel": max((l["max_rel"] for r in records for l in r["layers"]), default=None)}),
+        flush=True)
+    return 0 if ok else 1
+
+
+def generate(args) -> int:
+    from vllm import SamplingParams
+    t0 = time.time()
+    llm = _llm(args.root, args.eager, args.dtype)
+    t1 = time.time()
+    outs = llm.generate(_prompts(args.root, n=8), SamplingParams(
+        max_tokens=64, temperature=0.0, ignore_eos=True, detokenize=False))
+    t2 = time.time()
+    metrics = {}
+    try:
+        for m in llm.get_metrics():
+            if "spec_decode" in m.name:
+                metrics[m.name] = getattr(m, "value", None) if hasattr(m, "value") else \
+                    getattr(m, "values", None)
+    except Exception as e:  # older / newer metric APIs: report, do not fail
+        metrics["error"] = repr(e)
+    res = {"plugin": os.environ.get("DFLASH_OPS_VLLM", "1") != "0", "eager": args.eager,
+           "dtype": args.dtype, "outputs": [list(o.outputs[0].token_ids) for o in outs],
+           "metrics": metrics, "engine_start_s": round(t1 - t0, 1),
+           "generate_s": round(t2 - t1, 1)}
+    with open(args.out, "w") as f:
+        json.dump(res, f)
+    print(json.dumps({k: v for k, v in res.items() if k != "outputs"}), flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("make-pair")
+    p.add_argument("root")
+    p.add_argument("--width", choices=sorted(WIDTHS), default="tiny")
+    for name in ("caches", "generate"):
+        p = sub.add_parser(name)
+        p.add_argument("root")
+        p.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs)")
+        p.add_argument("--dtype", default="bfloat16")
+        if name == "caches":
+            p.add_argument("--calls", type=int, default=6)
+            p.add_argument("--rel-tol", type=float, default=0.02,
+                           help="max |ours - vLLM's| over max |vLLM's| per layer (bf16: a few "
+                                "ulps; vLLM rotates with a bf16 table, we with fp32)")
+        else:
+            p.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    if args.cmd == "make-pair":
+        make_pair(args.root, args.width)
+        return 0
+    return check_caches(args) if args.cmd == "caches" else generate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Integrations of dflash_ops into serving engines (today: vLLM, ``integrations/vllm``)."""

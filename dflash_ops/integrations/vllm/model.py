@@ -1,0 +1,120 @@
+"""``DFlashOpsQwen3ForCausalLM``: vLLM's ``DFlashQwen3ForCausalLM`` (a subclass: vLLM's
+proposer checks isinstance) whose ``precompute_and_store_context_kv`` runs
+``torch.ops.dflash.context_kv_`` into each layer's vLLM cache. Imported by vLLM through the
+registry's lazy ``module:class`` entry, i.e. only when it builds the drafter.
+
+The plan (weights vLLM stacked in ``_build_fused_kv_buffers``, cache views) is built at the first
+call that writes and rebuilt when a layer's cache moves (vLLM binds the real caches after its
+memory profiling). vLLM's own method runs instead, with one log line, for quantized weights,
+an fp8 KV cache, an unknown cache layout, a head size or device our kernels lack. Under tensor
+parallelism every buffer vLLM stacked is already the rank's shard (its local KV heads).
+Also left to vLLM: a value scale (0.33's ``attention_value_scale``), which our op lacks.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
+
+import dflash_ops  # noqa: F401  (registers torch.ops.dflash)
+from dflash_ops.ops.rope import HEAD_DIMS
+
+from . import log
+from .cache import kv_views
+from .context import ContextPlan, store
+
+FLOAT = (torch.float16, torch.bfloat16, torch.float32)
+_logged = set()
+
+
+def _once(msg: str, *args) -> None:
+    if msg not in _logged:
+        _logged.add(msg)
+        log.warning("dflash_ops: " + msg, *args)
+
+
+def _cache_key(attn_layers) -> tuple:
+    out = []
+    for a in attn_layers:
+        c = a.kv_cache
+        c = c[0] if isinstance(c, (list, tuple)) and c else c
+        out.append(c.data_ptr() if isinstance(c, torch.Tensor) and c.numel() else None)
+    return tuple(out)
+
+
+def build_plan(m, x: torch.Tensor) -> Optional[ContextPlan]:
+    """The plan for drafter model ``m`` (vLLM's DFlashQwen3Model, fused buffers built) and context
+    states like ``x``, or None (logged once) where vLLM's own method must run."""
+    if getattr(m, "quant_config", None) is not None:
+        return _once("quantized drafter weights (%s): vLLM's own context precompute runs",
+                     type(m.quant_config).__name__)
+    w = getattr(m, "_fused_kv_weight", None)
+    if w is None:  # vLLM 0.33 leaves it None when a projection is quantized
+        return _once("no fused K/V weight (quantized projections): vLLM's own context "
+                     "precompute runs")
+    if getattr(m.layers[0].self_attn, "v_scale", None) is not None:  # 0.33's value scale
+        return _once("attention_value_scale set: vLLM's own context precompute runs")
+    if w.dtype not in FLOAT or w.dtype != x.dtype:
+        return _once("drafter weights %s with context states %s: vLLM's own context "
+                     "precompute runs", w.dtype, x.dtype)
+    hkv, d = m._num_kv_heads, m._head_dim
+    if d not in HEAD_DIMS:
+        return _once("head size %d (ours: %s): vLLM's own context precompute runs", d,
+                     HEAD_DIMS)
+    ks, vs = [], []
+    for i, a in enumerate(m._attn_layers):
+        dt = str(getattr(a, "kv_cache_dtype", "auto"))
+        if dt not in ("auto", "bfloat16", "float16", "float32", "half"):
+            return _once("KV cache dtype %s: vLLM's own context precompute runs", dt)
+        views = kv_views(a.kv_cache, hkv, d)
+        if views is None:
+            shape = getattr(a.kv_cache, "shape", None)
+            return _once("KV cache layout %s (Hkv %d, D %d) not known: vLLM's own context "
+                         "precompute runs", list(shape) if shape is not None else shape, hkv, d)
+        if views[0].dtype != x.dtype:
+            return _once("KV cache %s with context states %s: vLLM's own context precompute "
+                         "runs", views[0].dtype, x.dtype)
+        ks.append(views[0])
+        vs.append(views[1])
+    cos_sin = m._rope_cos_sin_cache.float()
+    if cos_sin.dim() != 2 or cos_sin.shape[1] % 2 or cos_sin.shape[1] > d:
+        return _once("RoPE table %s for head size %d: vLLM's own context precompute runs",
+                     list(cos_sin.shape), d)
+    return ContextPlan(w_kv=w, bias=m._fused_kv_bias, k_weight=m._k_norm_weights,
+                       hidden_norm_weight=m._hidden_norm_weight, cos_sin=cos_sin.contiguous(),
+                       k_caches=ks, v_caches=vs, eps=float(m._rms_norm_eps),
+                       is_neox=bool(m._rope_is_neox))
+
+
+class DFlashOpsQwen3ForCausalLM(DFlashQwen3ForCausalLM):
+    """vLLM's DFlash drafter with the context K/V precompute on ``torch.ops.dflash``."""
+
+    def precompute_and_store_context_kv(self, context_states: torch.Tensor,
+                                        context_positions: torch.Tensor,
+                                        context_slot_mapping=None) -> None:
+        plan = self._dflash_ops_plan(context_states) if context_slot_mapping is not None \
+            else None
+        if plan is None:  # compute only (vLLM's dummy runs), or a case we leave to vLLM
+            return super().precompute_and_store_context_kv(context_states, context_positions,
+                                                           context_slot_mapping)
+        store(plan, context_states, context_positions, context_slot_mapping)
+
+    def _dflash_ops_plan(self, x: torch.Tensor) -> Optional[ContextPlan]:
+        m = self.model
+        if not hasattr(m, "_num_attn_layers"):
+            m._build_fused_kv_buffers()
+        key = (x.dtype, x.device, _cache_key(m._attn_layers))
+        cached = getattr(self, "_dflash_ops_cached", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        if x.device.type != "cuda":
+            plan = _once("context precompute on %s: vLLM's own method runs (our kernels are "
+                         "CUDA)", x.device.type)
+        else:
+            plan = build_plan(m, x)
+        self._dflash_ops_cached = (key, plan)
+        if plan is not None:
+            log.info("dflash_ops: context K/V precompute of %d layers on dflash.context_kv_ "
+                     "(Hkv %d, D %d)", len(plan.k_caches), m._num_kv_heads, m._head_dim)
+        return plan

@@ -1,0 +1,201 @@
+"""The vLLM plugin against the installed vLLM (0.33.0 on CPU in CI: tests/requirements-vllm.txt;
+the GPU run with vLLM 0.25.1 is benchmarks/vllm_check.py via gpu_check.sh vllm).
+
+The entry point is installed and loads ``register``; ``register`` puts our class into vLLM's
+registry as a lazy ``module:class`` entry; the class is a subclass of vLLM's DFlash model with the
+same ``precompute_and_store_context_kv`` signature as vLLM's (at both levels); every fused buffer
+the plugin reads is one vLLM's ``_build_fused_kv_buffers`` sets; and for every KV-cache layout
+vLLM declares, our K/V views are exactly the views vLLM's TRITON_ATTN cache update writes through.
+"""
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="vLLM not installed (pip install --no-deps -r "
+                                          "tests/requirements-vllm.txt)")
+
+from dflash_ops.integrations import vllm as plugin  # noqa: E402
+from dflash_ops.integrations.vllm.cache import kv_views  # noqa: E402
+
+
+def test_installed_version_is_a_tested_one():
+    assert plugin.supported(plugin.vllm_version()), plugin.vllm_version()
+
+
+def test_entry_point_loads_register():
+    from importlib.metadata import entry_points
+    eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "dflash_ops"]
+    assert len(eps) == 1, eps
+    assert eps[0].load() is plugin.register
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    from vllm.model_executor.models.registry import ModelRegistry
+    saved = dict(ModelRegistry.models)
+    monkeypatch.setitem(plugin._state, "registered", False)
+    monkeypatch.delenv("DFLASH_OPS_VLLM", raising=False)
+    yield ModelRegistry
+    ModelRegistry.models.clear()
+    ModelRegistry.models.update(saved)
+
+
+def test_register_puts_our_class_in_vllms_registry(registry):
+    assert plugin.register()
+    entry = registry.models[plugin.ARCH]
+    module, cls = plugin.MODEL_CLS.split(":")
+    assert (entry.module_name, entry.class_name) == (module, cls)
+    assert plugin.register()  # idempotent
+    assert registry.models[plugin.ARCH] is entry
+
+
+def test_disabled_register_leaves_vllms_registry_alone(registry, monkeypatch):
+    before = registry.models[plugin.ARCH]
+    monkeypatch.setenv("DFLASH_OPS_VLLM", "0")
+    assert not plugin.register()
+    assert registry.models[plugin.ARCH] is before
+
+
+def _ours():
+    from dflash_ops.integrations.vllm.model import DFlashOpsQwen3ForCausalLM
+    return DFlashOpsQwen3ForCausalLM
+
+
+def test_subclass_of_vllms_dflash_model():
+    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
+    assert issubclass(_ours(), DFlashQwen3ForCausalLM)
+
+
+@pytest.mark.parametrize("level", ["ForCausalLM", "Model"])
+def test_precompute_signature_matches_vllms(level):
+    from vllm.model_executor.models import qwen3_dflash as q
+    theirs = getattr(q, f"DFlashQwen3{level}").precompute_and_store_context_kv
+    ours = _ours().precompute_and_store_context_kv
+
+    def params(f):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()]
+
+    assert params(ours) == params(theirs)
+
+
+READ = ("_fused_kv_weight", "_fused_kv_bias", "_k_norm_weights", "_hidden_norm_weight",
+        "_rope_cos_sin_cache", "_rope_is_neox", "_rms_norm_eps", "_num_kv_heads", "_head_dim",
+        "_attn_layers", "_num_attn_layers")
+
+
+def test_every_buffer_the_plugin_reads_is_set_by_vllm():
+    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model
+    src = "".join(inspect.getsource(getattr(DFlashQwen3Model, n)) for n in
+                  ("_build_fused_kv_buffers", "_build_context_kv_buffers")
+                  if hasattr(DFlashQwen3Model, n))
+    ours = inspect.getsource(__import__("dflash_ops.integrations.vllm.model",
+                                        fromlist=["build_plan"]))
+    for name in READ:
+        assert re.search(rf"self\.{name}\b[^=\n]*=", src), f"vLLM no longer sets {name}"
+        assert f"m.{name}" in ours or f'"{name}"' in ours, f"test lists {name}, plugin reads none"
+
+
+def _layer_views():
+    """One layer's [B, H, N, 2*D] cache as vLLM 0.33 lays it out for each KVCacheLayout (the
+    physical order is the layout's layer view order)."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    b, h, n, d = 5, 2, 16, 64
+    logical = (b, h, n, 2 * d)
+    for layout in KVCacheLayout:
+        order = layout.layer_view_order
+        phys = torch.randn([logical[i] for i in order])
+        inv = [order.index(i) for i in range(4)]
+        yield layout.name, phys.permute(*inv), h, d
+
+
+@pytest.mark.parametrize("name,cache,h,d", list(_layer_views()),
+                         ids=[v[0] for v in _layer_views()])
+def test_views_are_vllms_triton_split(name, cache, h, d):
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+    src = inspect.getsource(TritonAttentionImpl.do_kv_cache_update)
+    assert "kv_cache.transpose(1, 2).split(self.head_size, dim=-1)" in src, \
+        "vLLM's TRITON_ATTN cache split changed: re-check integrations/vllm/cache.py"
+    want_k, want_v = cache.transpose(1, 2).split(d, dim=-1)
+    k, v = kv_views(cache, h, d)
+    for got, want in ((k, want_k), (v, want_v)):
+        assert got.shape == want.shape and got.stride() == want.stride()
+        assert got.data_ptr() == want.data_ptr()
+
+
+# --------------------------------------------------------------------------------------------
+# build_plan on a stand-in of vLLM's DFlashQwen3Model (CPU): the fallbacks, and a plan whose
+# store() writes what vLLM's method does (tests/test_vllm_plugin.py's written-out precompute)
+# --------------------------------------------------------------------------------------------
+def _fake_model(layout="blocks-2", n_layers=2, h=32, hkv=2, d=64, kv_dtype="auto", **over):
+    import types
+    from tests.test_vllm_plugin import _weights, vllm_cache
+    wt = _weights(n_layers, h, hkv, d, seed=7)
+    attn = [types.SimpleNamespace(kv_cache=vllm_cache(layout, hkv=hkv, d=d),
+                                  kv_cache_dtype=kv_dtype) for _ in range(n_layers)]
+    m = types.SimpleNamespace(
+        quant_config=None, _fused_kv_weight=wt["w_kv"], _fused_kv_bias=wt["bias"],
+        _k_norm_weights=wt["k_weight"], _hidden_norm_weight=wt["hidden_norm_weight"],
+        _rope_cos_sin_cache=wt["cos_sin"], _rope_is_neox=True, _rms_norm_eps=1e-6,
+        _num_kv_heads=hkv, _head_dim=d, _attn_layers=attn, _num_attn_layers=n_layers,
+        layers=[types.SimpleNamespace(self_attn=types.SimpleNamespace())])
+    for k, v in over.items():
+        setattr(m, k, v)
+    return m, wt
+
+
+@pytest.mark.parametrize("what,match", [
+    ("quant", "quantized drafter weights"), ("no-fused", "no fused K/V weight"),
+    ("v-scale", "attention_value_scale"), ("fp8-cache", "KV cache dtype fp8"),
+    ("layout", "KV cache layout"), ("dtype", "drafter weights"), ("head", "head size 48"),
+    ("rope", "RoPE table")])
+def test_build_plan_falls_back_with_one_log_line(what, match, caplog):
+    from dflash_ops.integrations.vllm import model as pm
+    m, _ = _fake_model()
+    x = torch.randn(3, 32)
+    if what == "quant":
+        m.quant_config = object()
+    elif what == "no-fused":
+        m._fused_kv_weight = None
+    elif what == "v-scale":
+        m.layers[0].self_attn.v_scale = 0.5
+    elif what == "fp8-cache":
+        for a in m._attn_layers:
+            a.kv_cache_dtype = "fp8_e4m3"
+    elif what == "layout":
+        m._attn_layers[1].kv_cache = torch.zeros(4, 3, 16, 2, 64)
+    elif what == "dtype":
+        x = x.half()
+    elif what == "head":
+        m._head_dim = 48
+    elif what == "rope":
+        m._rope_cos_sin_cache = torch.zeros(10, 66)
+    pm._logged.clear()
+    with caplog.at_level("WARNING", logger="vllm.dflash_ops"):
+        assert pm.build_plan(m, x) is None
+        assert pm.build_plan(m, x) is None
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and match in msgs[0] and "vLLM's own" in msgs[0], msgs
+
+
+@pytest.mark.parametrize("layout", ["blocks-2", "head-major"])
+def test_build_plan_writes_what_vllm_writes(layout):
+    from dflash_ops import dispatch
+    from dflash_ops.integrations.vllm import model as pm
+    from dflash_ops.integrations.vllm.context import store
+    from tests.test_vllm_plugin import NB, BS, vllm_precompute
+    m, wt = _fake_model(layout)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(7, 32, generator=g)
+    pos = torch.randint(0, 256, (7,), generator=g)
+    slots = torch.randperm(NB * BS, generator=g)[:7]
+    want = [a.kv_cache.clone() for a in m._attn_layers]
+    vllm_precompute(wt, x, pos, slots, want, layout, 2, 64, 1e-6, True)
+    plan = pm.build_plan(m, x)
+    with dispatch.use_backend("torch", ops=("context_kv_",)):
+        store(plan, x, pos, slots)
+    for a, w in zip(m._attn_layers, want):
+        torch.testing.assert_close(a.kv_cache, w, atol=1e-5, rtol=1e-5)
