@@ -10,7 +10,8 @@
 #            allocation; each must report 0 errors
 #   vllm:    real vLLM (carry the bundle: cp ../shared/vllm/* .vllm/) with the plugin:
 #            benchmarks/vllm_check.py caches for each VLLM_COMBOS entry (runner:eager|graphs),
-#            then stock vs plugin greedy outputs (generate) while VLLM_BUDGET_S lasts
+#            then stock vs plugin greedy outputs (generate; VLLM_GEN_SIDES) while VLLM_BUDGET_S
+#            lasts
 #   attn:    the attention suite (BENCH_ARGS: --quick, --cases, --tables, --no-flex)
 #   models:  bench_drafter (DRAFTER_ARGS, default --no-ref), bench_e2e (E2E_ARGS, default --quick)
 #            and profile_step (PROFILE_ARGS) in one call
@@ -86,7 +87,7 @@ if [ "$what" = vllm ]; then
     [ $r -ne 0 ] && grep -E "Error|error|Traceback" "$log" | tail -8
     echo "vllm: $(( $(date +%s) - t0 )) s"
   done
-  for side in stock plugin; do
+  for side in ${VLLM_GEN_SIDES:-stock plugin}; do
     if [ $(( $(date +%s) - t0 )) -gt "${VLLM_BUDGET_S:-420}" ]; then
       echo "vllm: no time for generate ($side)"; break
     fi
