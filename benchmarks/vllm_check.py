@@ -11,8 +11,9 @@ One engine per process (vLLM's own rule of thumb); the engine core runs in this 
       the K and V rows the slots address within the tolerance, every other element bit-equal. The runner
       is vLLM's choice or VLLM_USE_V2_MODEL_RUNNER's. Prints one JSON line per call and a
       summary line; exits 1 when a call is out of tolerance or the plugin did not run.
-  python benchmarks/vllm_check.py generate DIR [--eager] --out FILE.json
-      greedy outputs and vLLM's speculative-decoding counters (DFLASH_OPS_VLLM=0: stock vLLM)
+  python benchmarks/vllm_check.py generate DIR [--eager] [--draft-backend CUSTOM] --out FILE.json
+      greedy outputs and vLLM's speculative-decoding counters (DFLASH_OPS_VLLM=0: stock vLLM;
+      --draft-backend CUSTOM: the plugin's draft attention backend)
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def make_pair(root: str, width: str) -> None:
 
 
 def _llm(root: str, eager: bool, dtype: str, max_num_seqs: int = 8, max_model_len: int = 4096,
-         **kw):
+         draft_backend: str = "TRITON_ATTN", **kw):
     from vllm import LLM
     return LLM(**kw, model=os.path.join(root, "target"), skip_tokenizer_init=True, dtype=dtype,
                max_model_len=max_model_len, gpu_memory_utilization=0.3, enforce_eager=eager,
@@ -74,7 +75,7 @@ def _llm(root: str, eager: bool, dtype: str, max_num_seqs: int = 8, max_model_le
                attention_config={"backend": "TRITON_ATTN"},
                speculative_config={"method": "dflash", "model": os.path.join(root, "drafter"),
                                    "num_speculative_tokens": BLOCK - 1,
-                                   "attention_backend": "TRITON_ATTN"})
+                                   "attention_backend": draft_backend})
 
 
 def _prompts(root: str, n: int = 4, lens=(37, 300, 5, 129)):
@@ -143,7 +144,8 @@ def check_caches(args) -> int:
 
     pm.DFlashOpsQwen3ForCausalLM.precompute_and_store_context_kv = checked
     t0 = time.time()
-    llm = _llm(args.root, args.eager, args.dtype, num_gpu_blocks_override=512)  # small caches:
+    llm = _llm(args.root, args.eager, args.dtype, draft_backend=args.draft_backend,
+               num_gpu_blocks_override=512)  # small caches:
     t1 = time.time()  # each checked call clones the drafter's caches twice
     outs = llm.generate(_prompts(args.root), SamplingParams(max_tokens=24, temperature=0.0,
                                                             ignore_eos=True, detokenize=False))
@@ -161,7 +163,7 @@ def check_caches(args) -> int:
 def generate(args) -> int:
     from vllm import SamplingParams
     t0 = time.time()
-    llm = _llm(args.root, args.eager, args.dtype)
+    llm = _llm(args.root, args.eager, args.dtype, draft_backend=args.draft_backend)
     t1 = time.time()
     outs = llm.generate(_prompts(args.root, n=8), SamplingParams(
         max_tokens=64, temperature=0.0, ignore_eos=True, detokenize=False))
@@ -175,6 +177,7 @@ def generate(args) -> int:
     except Exception as e:  # older / newer metric APIs: report, do not fail
         metrics["error"] = repr(e)
     res = {"plugin": os.environ.get("DFLASH_OPS_VLLM", "1") != "0", "eager": args.eager,
+           "draft_backend": args.draft_backend,
            "dtype": args.dtype, "outputs": [list(o.outputs[0].token_ids) for o in outs],
            "metrics": metrics, "engine_start_s": round(t1 - t0, 1),
            "generate_s": round(t2 - t1, 1)}
@@ -195,6 +198,8 @@ def main(argv=None) -> int:
         p.add_argument("root")
         p.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs)")
         p.add_argument("--dtype", default="bfloat16")
+        p.add_argument("--draft-backend", default="TRITON_ATTN",
+                       help="the drafter's attention backend (CUSTOM: the plugin's)")
         if name == "caches":
             p.add_argument("--calls", type=int, default=6)
             p.add_argument("--rel-tol", type=float, default=0.02,

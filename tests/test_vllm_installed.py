@@ -2,10 +2,13 @@
 the GPU run with vLLM 0.25.1 is benchmarks/vllm_check.py via gpu_check.sh vllm).
 
 The entry point is installed and loads ``register``; ``register`` puts our class into vLLM's
-registry as a lazy ``module:class`` entry; the class is a subclass of vLLM's DFlash model with the
+registry as a lazy ``module:class`` entry and our draft attention backend into the CUSTOM slot; the class is a subclass of vLLM's DFlash model with the
 same ``precompute_and_store_context_kv`` signature as vLLM's (at both levels); every fused buffer
 the plugin reads is one vLLM's ``_build_fused_kv_buffers`` sets; and for every KV-cache layout
 vLLM declares, our K/V views are exactly the views vLLM's TRITON_ATTN cache update writes through.
+The attention backend: vLLM's configuration checks refuse what our kernels lack, the impl's
+constructor refuses the rest by name, and its forward / cache update (torch backend, CPU) equal
+our reference on vLLM's cache and metadata, padded rows untouched.
 """
 from __future__ import annotations
 
@@ -39,9 +42,14 @@ def registry(monkeypatch):
     saved = dict(ModelRegistry.models)
     monkeypatch.setitem(plugin._state, "registered", False)
     monkeypatch.delenv("DFLASH_OPS_VLLM", raising=False)
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    custom = AttentionBackendEnum.CUSTOM
+    held = custom.get_path() if custom.is_overridden() else None
     yield ModelRegistry
     ModelRegistry.models.clear()
     ModelRegistry.models.update(saved)
+    if held is None:
+        custom.clear_override()
 
 
 def test_register_puts_our_class_in_vllms_registry(registry):
@@ -199,3 +207,122 @@ def test_build_plan_writes_what_vllm_writes(layout):
         store(plan, x, pos, slots)
     for a, w in zip(m._attn_layers, want):
         torch.testing.assert_close(a.kv_cache, w, atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# The draft attention backend (CUSTOM)
+# --------------------------------------------------------------------------------------------
+def test_register_puts_our_backend_in_the_custom_slot(registry):
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+    from dflash_ops.integrations.vllm.attention import DFlashOpsAttentionBackend
+    assert plugin.register()
+    custom = AttentionBackendEnum.CUSTOM
+    assert custom.get_path() == plugin.BACKEND_CLS
+    assert custom.get_class() is DFlashOpsAttentionBackend
+    assert issubclass(DFlashOpsAttentionBackend, TritonAttentionBackend)
+    assert DFlashOpsAttentionBackend.get_name() == "CUSTOM"
+
+
+def _validate(**over):
+    """vLLM's validate_configuration of our backend, called with the parameters this vLLM's
+    signature has (it differs between releases)."""
+    from vllm.platforms.interface import DeviceCapability
+    from dflash_ops.integrations.vllm.attention import DFlashOpsAttentionBackend as B
+    values = dict(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16,
+                  use_mla=False, has_sink=True, use_sparse=False, use_mm_prefix=False,
+                  use_per_head_quant_scales=False, device_capability=DeviceCapability(9, 0),
+                  attn_type="decoder", use_non_causal=True, use_batch_invariant=False)
+    values.update(over)
+    params = inspect.signature(B.validate_configuration).parameters
+    kw = {n: values[n] for n in params if n in values}
+    missing = [n for n, p in params.items() if n not in kw and p.default is inspect._empty]
+    assert not missing, f"validate_configuration has new required parameters {missing}"
+    return B.validate_configuration(**kw)
+
+
+def test_backend_accepts_the_drafters_configuration():
+    assert _validate() == []
+
+
+@pytest.mark.parametrize("over,reason", [
+    (dict(head_size=48), "head_size"), (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"),
+    (dict(attn_type="encoder_only"), "attention type"),
+    (dict(use_batch_invariant=True), "batch invariance"),
+    (dict(use_mm_prefix=True), "multimodal")])
+def test_backend_refuses_at_configuration_time(over, reason):
+    reasons = _validate(**over)
+    assert any(reason in r for r in reasons), reasons
+
+
+def _impl(**over):
+    from dflash_ops.integrations.vllm.attention import DFlashOpsAttentionImpl
+    kw = dict(num_heads=8, head_size=64, scale=0.125, num_kv_heads=2, alibi_slopes=None,
+              sliding_window=None, kv_cache_dtype="auto")
+    kw.update(over)
+    return DFlashOpsAttentionImpl(**kw)
+
+
+@pytest.mark.parametrize("over,what", [
+    (dict(alibi_slopes=[0.5] * 8), "ALiBi"), (dict(logits_soft_cap=30.0), "soft cap"),
+    (dict(head_size=48), "head size 48"), (dict(kv_cache_dtype="fp8"), "KV cache dtype fp8")])
+def test_impl_refuses_what_our_kernels_lack(over, what):
+    with pytest.raises(ValueError, match=rf"dflash_ops attention backend \(CUSTOM\): .*{what}"):
+        _impl(**over)
+
+
+@pytest.mark.parametrize("causal,window,sinks", [(False, None, False), (True, None, True),
+                                                 (False, 5, True), (True, 3, False)])
+def test_forward_equals_our_reference_on_vllms_cache(causal, window, sinks):
+    import types
+    from dflash_ops import dispatch
+    from dflash_ops.ops.attention import block_attention_ref
+    g = torch.Generator().manual_seed(9)
+    hq, hkv, d, nb, bs = 8, 2, 64, 6, 16
+    sink_w = torch.randn(hq, generator=g) if sinks else None
+    impl = _impl(sliding_window=window, sinks=sink_w)
+    cache = torch.randn(nb, 2, bs, hkv, d, generator=g)  # TRITON_ATTN's layout
+    seq_lens = torch.tensor([20, 7, 33], dtype=torch.int32)
+    q_lens = [4, 3, 5]
+    qsl = torch.tensor([0, 4, 7, 12], dtype=torch.int32)
+    table = torch.tensor([[0, 3, 0], [5, 0, 0], [1, 2, 4]], dtype=torch.int32)
+    n, pad = sum(q_lens), 4
+    query = torch.randn(n + pad, hq * d, generator=g)
+    output = torch.zeros(n + pad, hq * d)
+    meta = types.SimpleNamespace(num_actual_tokens=n, query_start_loc=qsl, seq_lens=seq_lens,
+                                 block_table=table, causal=causal, use_cascade=False)
+    with dispatch.use_backend("torch", ops=("block_attention_out_",)):
+        got = impl.forward(None, query, None, None, cache, meta, output)
+    assert got is output
+    want = block_attention_ref(query[:n].view(n, hq, d), cache[:, 0], cache[:, 1], table,
+                               seq_lens, qsl, 0.125, causal, window or -1, sink_w)
+    torch.testing.assert_close(output[:n].view(n, hq, d), want)
+    assert bool((output[n:] == 0).all()), "padded rows written"
+
+
+def test_forward_refuses_per_request_causal_flags():
+    import types
+    impl = _impl()
+    meta = types.SimpleNamespace(num_actual_tokens=1, causal=torch.tensor([True]),
+                                 use_cascade=False)
+    with pytest.raises(ValueError, match="per-request causal flags"):
+        impl.forward(None, torch.zeros(1, 512), None, None, torch.zeros(2, 2, 16, 2, 64), meta,
+                     torch.zeros(1, 512))
+
+
+def test_do_kv_cache_update_writes_where_vllm_does():
+    from dflash_ops import dispatch
+    g = torch.Generator().manual_seed(10)
+    impl = _impl()
+    cache = torch.randn(6, 2, 16, 2, 64, generator=g)
+    before = cache.clone()
+    key, value = torch.randn(2, 7, 2, 64, generator=g).unbind(0)  # 2 padded rows past the slots
+    slots = torch.tensor([3, -1, 40, 95, 17])
+    with dispatch.use_backend("torch", ops=("store_kv_",)):
+        impl.do_kv_cache_update(None, key, value, cache, slots)
+    want = before.clone()
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            want[s // 16, 0, s % 16] = key[t]
+            want[s // 16, 1, s % 16] = value[t]
+    assert torch.equal(cache, want)

@@ -212,15 +212,48 @@ def test_tensor_parallel_shards_give_each_rank_its_heads():
 # --------------------------------------------------------------------------------------------
 # register(): version gate, DFLASH_OPS_VLLM=0, idempotence (a stand-in vllm module)
 # --------------------------------------------------------------------------------------------
+class _Calls(list):
+    custom = None
+
+
+class _Custom:
+    """A stand-in for vLLM's AttentionBackendEnum.CUSTOM (``path``: who holds the slot)."""
+    path = None
+
+    def is_overridden(self):
+        return self.path is not None
+
+    def get_path(self):
+        return self.path
+
+
 @pytest.fixture
 def fake_vllm(monkeypatch):
-    calls = []
+    """A stand-in ``vllm`` (its model registry and attention-backend registry) recording the
+    registrations as ("model", arch, class) and ("backend", path)."""
+    calls = _Calls()
     mod = types.ModuleType("vllm")
-    mod.ModelRegistry = types.SimpleNamespace(register_model=lambda a, c: calls.append((a, c)))
+    mod.ModelRegistry = types.SimpleNamespace(
+        register_model=lambda a, c: calls.append(("model", a, c)))
+    custom = _Custom()
+
+    def register_backend(member, path):
+        assert member is custom
+        custom.path = path
+        calls.append(("backend", path))
+
+    reg = types.ModuleType("vllm.v1.attention.backends.registry")
+    reg.AttentionBackendEnum = types.SimpleNamespace(CUSTOM=custom)
+    reg.register_backend = register_backend
     monkeypatch.setitem(sys.modules, "vllm", mod)
+    for name in ("vllm.v1", "vllm.v1.attention", "vllm.v1.attention.backends"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.v1.attention.backends.registry", reg)
     monkeypatch.setitem(plugin._state, "registered", False)
     monkeypatch.delenv("DFLASH_OPS_VLLM", raising=False)
+    calls.custom = custom
     return calls
+
 
 
 @pytest.mark.parametrize("ver,ok", [("0.25.1", True), ("0.25.0", True), ("0.33.0", True),
@@ -230,11 +263,23 @@ def test_register_version_gate(fake_vllm, monkeypatch, caplog, ver, ok):
     monkeypatch.setattr(plugin, "vllm_version", lambda: ver)
     with caplog.at_level("INFO", logger="vllm.dflash_ops"):
         assert plugin.register() is ok
-    assert fake_vllm == ([(plugin.ARCH, plugin.MODEL_CLS)] if ok else [])
+    want = [("model", plugin.ARCH, plugin.MODEL_CLS), ("backend", plugin.BACKEND_CLS)]
+    assert list(fake_vllm) == (want if ok else [])
     msgs = [r.getMessage() for r in caplog.records]
-    assert len(msgs) == 1, msgs
+    assert len(msgs) == (2 if ok else 1), msgs
     if not ok:
         assert "not a tested version" in msgs[0] and "untouched" in msgs[0]
+
+
+def test_register_leaves_a_taken_custom_backend_slot(fake_vllm, monkeypatch, caplog):
+    monkeypatch.setattr(plugin, "vllm_version", lambda: "0.25.1")
+    fake_vllm.custom.path = "someone.else.Backend"
+    with caplog.at_level("INFO", logger="vllm.dflash_ops"):
+        assert plugin.register()
+    assert list(fake_vllm) == [("model", plugin.ARCH, plugin.MODEL_CLS)]
+    assert fake_vllm.custom.path == "someone.else.Backend"
+    assert any("CUSTOM attention backend is taken (someone.else.Backend)" in r.getMessage()
+               for r in caplog.records)
 
 
 @pytest.mark.parametrize("value", ["0", "false", "off"])
@@ -250,12 +295,14 @@ def test_register_disabled_by_env(fake_vllm, monkeypatch, caplog, value):
 def test_register_is_idempotent(fake_vllm, monkeypatch):
     monkeypatch.setattr(plugin, "vllm_version", lambda: "0.25.1")
     assert plugin.register() and plugin.register() and plugin.register()
-    assert len(fake_vllm) == 1
+    assert len(fake_vllm) == 2  # the model and the backend, once
 
 
 def test_register_imports_no_cuda_and_no_model_code(fake_vllm, monkeypatch):
     monkeypatch.setattr(plugin, "vllm_version", lambda: "0.25.1")
-    monkeypatch.delitem(sys.modules, "dflash_ops.integrations.vllm.model", raising=False)
+    for m in ("model", "attention"):
+        monkeypatch.delitem(sys.modules, f"dflash_ops.integrations.vllm.{m}", raising=False)
     plugin.register()
     assert "dflash_ops.integrations.vllm.model" not in sys.modules
+    assert "dflash_ops.integrations.vllm.attention" not in sys.modules
     assert plugin.MODEL_CLS.count(":") == 1  # vLLM's lazy "module:class" form

@@ -13,6 +13,9 @@ norm and rotary launches, a copy and one cache-update launch per layer.
   one log line.
 * Quantized weights, a quantized (fp8) KV cache, a cache layout we do not know or no dflash_ops
   kernel on the device: that model runs vLLM's own method, with one log line.
+* It also registers a draft attention backend (``integrations/vllm/attention.py``) into vLLM's
+  ``AttentionBackendEnum.CUSTOM`` slot, chosen with ``"attention_backend": "CUSTOM"`` in the
+  speculative config (unless another package holds that slot: one log line).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import os
 TESTED = ("0.25.", "0.33.0")
 ARCH = "DFlashDraftModel"
 MODEL_CLS = "dflash_ops.integrations.vllm.model:DFlashOpsQwen3ForCausalLM"
+BACKEND_CLS = "dflash_ops.integrations.vllm.attention.DFlashOpsAttentionBackend"
 
 log = logging.getLogger("vllm.dflash_ops")  # under vLLM's logger: its handler and format
 _state = {"registered": False}
@@ -67,4 +71,20 @@ def register() -> bool:
     _state["registered"] = True
     log.info("dflash_ops: %s runs its context K/V precompute on torch.ops.dflash.context_kv_ "
              "(vLLM %s)", ARCH, ver)
+    _register_backend()
     return True
+
+
+def _register_backend() -> None:
+    """Our draft attention backend into vLLM's CUSTOM slot (by path: nothing imported), unless
+    another package holds that slot already."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    custom = AttentionBackendEnum.CUSTOM
+    held = custom.is_overridden() and custom.get_path() != BACKEND_CLS
+    if held:
+        log.warning("dflash_ops: the CUSTOM attention backend is taken (%s); ours is not "
+                    "registered", custom.get_path())
+        return
+    register_backend(custom, BACKEND_CLS)
+    log.info("dflash_ops: draft attention backend \"CUSTOM\" (speculative_config "
+             "attention_backend) runs torch.ops.dflash.block_attention")
