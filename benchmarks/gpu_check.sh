@@ -2,7 +2,7 @@
 # The one script run on the H200 (device tool): install (builds dflash_ops._C), info, check, the
 # GPU tests, the benchmarks. Logs and result tables go under $OUT (at most 8 files come back:
 # more are packed into $OUT/all.tgz at the end).
-# Usage: bash benchmarks/gpu_check.sh [build|tests|sanitize|vllm|bench|ctx|attn|linear|drafter|e2e|models|compare|profile|cmake|all]
+# Usage: bash benchmarks/gpu_check.sh [build|tests|sanitize|vllm|vllm-bench|bench|ctx|attn|linear|drafter|e2e|models|compare|profile|cmake|all]
 #   all:     tests + bench + ctx; build: install, info and check only
 #   sanitize: the hostile-value GPU tests (tests/test_hostile_inputs.py,
 #            tests/test_out_of_range_inputs.py) under compute-sanitizer memcheck and racecheck
@@ -12,6 +12,8 @@
 #            benchmarks/vllm_check.py caches for each VLLM_COMBOS entry (runner:eager|graphs),
 #            then stock vs plugin greedy outputs (generate; VLLM_GEN_SIDES) while VLLM_BUDGET_S
 #            lasts
+#   vllm-bench: benchmarks/bench_vllm.py on the 8B-width pair, one process per variant
+#            (VLLM_VARIANTS, default plain stock plugin custom; BENCH_ARGS for --batch/--context)
 #   attn:    the attention suite (BENCH_ARGS: --quick, --cases, --tables, --no-flex)
 #   models:  bench_drafter (DRAFTER_ARGS, default --no-ref), bench_e2e (E2E_ARGS, default --quick)
 #            and profile_step (PROFILE_ARGS) in one call
@@ -105,6 +107,21 @@ same = sum(x == y for x, y in zip(a["outputs"], b["outputs"]))
 print(f"generate: {same} of {len(a['outputs'])} requests equal (stock vs plugin, bf16)")
 PY
   fi
+fi
+if [ "$what" = vllm-bench ]; then
+  # shellcheck disable=SC1091
+  . .vllm/install_on_gpu.sh .vllm/vllm-bundle.tar.xz > "$OUT/vllm_install.log" 2>&1 \
+    || { tail -20 "$OUT/vllm_install.log"; exit 1; }
+  pair=/tmp/vllm-pair-8b
+  [ -d $pair ] || python3 benchmarks/vllm_check.py make-pair $pair --width 8b
+  for v in ${VLLM_VARIANTS:-plain stock plugin custom}; do
+    timeout "${VLLM_TIMEOUT:-300}" python3 benchmarks/bench_vllm.py run $pair --variant "$v" \
+      ${BENCH_ARGS:-} --out "$OUT/vllm_bench.jsonl" >"$OUT/vllm_bench_$v.log" 2>&1
+    r=$?; [ $r -ne 0 ] && rc=$r
+    echo "bench $v (rc $r): $(( $(date +%s) - t0 )) s"
+    [ $r -ne 0 ] && grep -E "Error|Traceback" "$OUT/vllm_bench_$v.log" | tail -5
+  done
+  python3 benchmarks/bench_vllm.py table "$OUT/vllm_bench.jsonl" --md "$OUT/vllm_bench.md"
 fi
 if [ "$what" = compare ]; then
   old_dir=${OLD_DIR:-.old}

@@ -1,0 +1,183 @@
+"""DFlash inside real vLLM: stock vs the dflash_ops plugin, measured in one engine per process.
+
+Variants (one process each, consecutive, same machine):
+  plain   no speculation: vLLM's decode step alone (the baseline DFlash adds to)
+  stock   vLLM's DFlash (DFLASH_OPS_VLLM=0)
+  plugin  vLLM's DFlash with our context precompute
+  custom  plugin + our draft attention backend ("attention_backend": "CUSTOM")
+
+Per (batch B, context S): B fresh random prompts of S tokens (prefix caching off), greedy,
+ignore_eos; the decode time is the wall time of generating 1 + N tokens minus that of 1 token
+(the prefill); an iteration is one draft-and-verify step (vLLM's spec_decode_num_drafts / B;
+random weights accept ~nothing, so ~one token an iteration). The precompute's GPU time per call
+comes from CUDA events around ``precompute_and_store_context_kv`` (it runs eagerly in 0.25).
+
+  python benchmarks/vllm_check.py make-pair /tmp/pair8b --width 8b
+  python benchmarks/bench_vllm.py run /tmp/pair8b --variant stock --out R.jsonl [--batch 1,8]
+      [--context 1024,8192] [--new 64]
+  python benchmarks/bench_vllm.py table R.jsonl [--md OUT.md]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+
+VARIANTS = ("plain", "stock", "plugin", "custom")
+BLOCK = 16
+
+
+def _timer(variant: str):
+    """Wrap the drafter class's precompute with CUDA events; returns the list of (start, end)."""
+    import torch
+    if variant == "stock":
+        from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM as cls
+    else:
+        from dflash_ops.integrations.vllm.model import DFlashOpsQwen3ForCausalLM as cls
+    inner = cls.precompute_and_store_context_kv
+    events = []
+
+    def timed(self, *a, **k):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        out = inner(self, *a, **k)
+        e.record()
+        events.append((s, e))
+        return out
+
+    cls.precompute_and_store_context_kv = timed
+    return events
+
+
+def _llm(root, variant, max_batch, max_len, dtype):
+    from vllm import LLM
+    spec = None
+    if variant != "plain":
+        spec = {"method": "dflash", "model": os.path.join(root, "drafter"),
+                "num_speculative_tokens": BLOCK - 1,
+                "attention_backend": "CUSTOM" if variant == "custom" else "TRITON_ATTN"}
+    return LLM(model=os.path.join(root, "target"), skip_tokenizer_init=True, dtype=dtype,
+               max_model_len=max_len, max_num_seqs=max_batch, gpu_memory_utilization=0.6,
+               enable_prefix_caching=False, seed=0, disable_log_stats=False,
+               max_num_batched_tokens=max(8192, max_len),
+               attention_config={"backend": "TRITON_ATTN"}, speculative_config=spec)
+
+
+def _drafts(llm) -> int:
+    for m in llm.get_metrics():
+        if m.name == "vllm:spec_decode_num_drafts":
+            return int(m.value)
+    return 0
+
+
+def run(args) -> int:
+    import torch
+    from vllm import SamplingParams
+    if args.variant == "stock":
+        os.environ["DFLASH_OPS_VLLM"] = "0"
+    batches = [int(b) for b in args.batch.split(",")]
+    contexts = [int(c) for c in args.context.split(",")]
+    with open(os.path.join(args.root, "target", "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    events = _timer(args.variant) if args.variant != "plain" else []
+    t0 = time.time()
+    llm = _llm(args.root, args.variant, max(batches), max(contexts) + args.new + 64, args.dtype)
+    start_s = time.time() - t0
+    g = torch.Generator().manual_seed(0)
+
+    def prompts(b, s):
+        return [{"prompt_token_ids": torch.randint(2, vocab - 2, (s,), generator=g).tolist()}
+                for _ in range(b)]
+
+    def gen(b, s, n):
+        sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
+        torch.cuda.synchronize()
+        d0, t = _drafts(llm), time.perf_counter()
+        outs = llm.generate(prompts(b, s), sp, use_tqdm=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t, _drafts(llm) - d0, outs
+
+    gen(1, 64, 8)  # warm-up
+    with open(args.out, "a") as out:
+        for s in contexts:
+            for b in batches:
+                if time.time() - t0 > args.budget_s:
+                    print(f"budget: stopping before B {b} S {s}", flush=True)
+                    return 0
+                gen(b, s, 2)  # warm this shape
+                t_pre, _, _ = gen(b, s, 1)
+                events.clear()
+                t_all, drafts, outs = gen(b, s, 1 + args.new)
+                pre_ms = [a.elapsed_time(e) for a, e in events]
+                new = sum(len(o.outputs[0].token_ids) for o in outs) / b - 1
+                iters = drafts / b if args.variant != "plain" else new
+                dec = max(t_all - t_pre, 0.0)
+                rec = {"variant": args.variant, "batch": b, "context": s, "new": args.new,
+                       "decode_s": round(dec, 4), "iterations": iters,
+                       "ms_per_iter": round(1e3 * dec / max(iters, 1), 3),
+                       "tokens_per_iter": round(new / max(iters, 1), 3),
+                       "precompute_calls": len(pre_ms),
+                       "precompute_ms_mean": round(sum(pre_ms) / len(pre_ms), 4)
+                       if pre_ms else None,
+                       "engine_start_s": round(start_s, 1), "dtype": args.dtype,
+                       "commit": os.environ.get("DFLASH_OPS_COMMIT", "")}
+                out.write(json.dumps(rec) + "\n")
+                out.flush()
+                print(json.dumps(rec), flush=True)
+    return 0
+
+
+def table(args) -> int:
+    rows = [json.loads(line) for line in open(args.results) if line.strip()]
+    by = {(r["variant"], r["batch"], r["context"]): r for r in rows}
+    keys = sorted({(r["batch"], r["context"]) for r in rows}, key=lambda k: (k[1], k[0]))
+    lines = ["| B x S | plain ms/token | " + " | ".join(
+        f"{v} ms/iter (+ over plain)" for v in VARIANTS[1:]) + " | precompute ms/call "
+        "stock / plugin / custom |", "|---|---|" + "---|" * (len(VARIANTS) - 1) + "---|"]
+    for b, s in keys:
+        plain = by.get(("plain", b, s))
+        cells = [f"{b} x {s}", f"{plain['ms_per_iter']:.3f}" if plain else "-"]
+        for v in VARIANTS[1:]:
+            r = by.get((v, b, s))
+            if r is None:
+                cells.append("-")
+                continue
+            add = f" (+{r['ms_per_iter'] - plain['ms_per_iter']:.3f})" if plain else ""
+            cells.append(f"{r['ms_per_iter']:.3f}{add}")
+        pre = [by.get((v, b, s), {}).get("precompute_ms_mean") for v in VARIANTS[1:]]
+        cells.append(" / ".join(f"{p:.3f}" if p is not None else "-" for p in pre))
+        lines.append("| " + " | ".join(cells) + " |")
+    text = "\n".join(lines)
+    print(text)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("run")
+    p.add_argument("root")
+    p.add_argument("--variant", choices=VARIANTS, required=True)
+    p.add_argument("--batch", default="1,8,32")
+    p.add_argument("--context", default="1024,8192")
+    p.add_argument("--new", type=int, default=64)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--budget-s", type=float, default=480)
+    p.add_argument("--out", required=True)
+    p = sub.add_parser("table")
+    p.add_argument("results")
+    p.add_argument("--md")
+    args = ap.parse_args(argv)
+    return run(args) if args.cmd == "run" else table(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
