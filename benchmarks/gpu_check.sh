@@ -9,7 +9,8 @@
 #            (SAN_TOOLS), with the caching allocator off so that every tensor is its own
 #            allocation; each must report 0 errors
 #   vllm:    real vLLM (carry the bundle: cp ../shared/vllm/* .vllm/) with the plugin:
-#            benchmarks/vllm_check.py caches for each VLLM_COMBOS entry (runner:eager|graphs),
+#            benchmarks/vllm_check.py caches for each VLLM_COMBOS entry
+#            (runner:eager|graphs[:draft backend, TRITON_ATTN or CUSTOM]),
 #            then stock vs plugin greedy outputs (generate; VLLM_GEN_SIDES) while VLLM_BUDGET_S
 #            lasts
 #   vllm-bench: benchmarks/bench_vllm.py on the 8B-width pair, one process per variant
@@ -79,34 +80,40 @@ if [ "$what" = vllm ]; then
   tail -1 "$OUT/vllm_install.log"
   pair=/tmp/vllm-pair
   python3 benchmarks/vllm_check.py make-pair $pair --width "${VLLM_WIDTH:-tiny}"
-  for combo in ${VLLM_COMBOS:-0:eager 0:graphs 1:graphs}; do
-    runner=${combo%%:*}; mode=${combo##*:}; flag=""; [ "$mode" = eager ] && flag=--eager
-    log="$OUT/vllm_caches_v${runner}_$mode.log"
+  for combo in ${VLLM_COMBOS:-0:eager 0:graphs 1:graphs 0:graphs:CUSTOM}; do
+    IFS=: read -r runner mode backend <<<"$combo"; backend=${backend:-TRITON_ATTN}
+    flag=""; [ "$mode" = eager ] && flag=--eager
+    log="$OUT/vllm_caches_v${runner}_${mode}_$backend.log"
     VLLM_USE_V2_MODEL_RUNNER=$runner timeout "${VLLM_TIMEOUT:-240}" python3 \
-      benchmarks/vllm_check.py caches $pair $flag >"$log" 2>&1
+      benchmarks/vllm_check.py caches $pair $flag --draft-backend "$backend" >"$log" 2>&1
     r=$?; [ $r -ne 0 ] && rc=$r
-    echo "caches runner v$runner $mode (rc $r): $(grep '"summary"' "$log" | tail -1)"
+    echo "caches runner v$runner $mode $backend (rc $r): $(grep '"summary"' "$log" | tail -1)"
     [ $r -ne 0 ] && grep -E "Error|error|Traceback" "$log" | tail -8
     echo "vllm: $(( $(date +%s) - t0 )) s"
   done
-  for side in ${VLLM_GEN_SIDES:-stock plugin}; do
+  for side in ${VLLM_GEN_SIDES:-stock plugin custom}; do
     if [ $(( $(date +%s) - t0 )) -gt "${VLLM_BUDGET_S:-420}" ]; then
       echo "vllm: no time for generate ($side)"; break
     fi
     en=1; [ $side = stock ] && en=0
+    be=TRITON_ATTN; [ $side = custom ] && be=CUSTOM
     DFLASH_OPS_VLLM=$en timeout "${VLLM_TIMEOUT:-240}" python3 benchmarks/vllm_check.py \
-      generate $pair --out "$OUT/vllm_gen_$side.json" >"$OUT/vllm_gen_$side.log" 2>&1
+      generate $pair --draft-backend $be --out "$OUT/vllm_gen_$side.json" \
+      >"$OUT/vllm_gen_$side.log" 2>&1
     r=$?; [ $r -ne 0 ] && rc=$r
     echo "generate $side (rc $r): $(tail -1 "$OUT/vllm_gen_$side.log" | cut -c1-400)"
   done
-  if [ -f "$OUT/vllm_gen_stock.json" ] && [ -f "$OUT/vllm_gen_plugin.json" ]; then
-    python3 - "$OUT/vllm_gen_stock.json" "$OUT/vllm_gen_plugin.json" <<'PY'
+  for side in plugin custom; do
+    [ -f "$OUT/vllm_gen_stock.json" ] && [ -f "$OUT/vllm_gen_$side.json" ] || continue
+    python3 - "$OUT/vllm_gen_stock.json" "$OUT/vllm_gen_$side.json" "$side" <<'PY'
 import json, sys
-a, b = (json.load(open(p)) for p in sys.argv[1:])
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
 same = sum(x == y for x, y in zip(a["outputs"], b["outputs"]))
-print(f"generate: {same} of {len(a['outputs'])} requests equal (stock vs plugin, bf16)")
+acc = [d["metrics"].get("vllm:spec_decode_num_accepted_tokens") for d in (a, b)]
+print(f"generate: {same} of {len(a['outputs'])} requests equal (stock vs {sys.argv[3]}, "
+      f"{a['dtype']}); accepted tokens {acc[0]} vs {acc[1]}")
 PY
-  fi
+  done
 fi
 if [ "$what" = vllm-bench ]; then
   # shellcheck disable=SC1091
