@@ -1,0 +1,55 @@
+"""Triton kernel of ``grouped_dyn_conv`` (``ops/conv.py``).
+
+A program takes BLOCK_T rows x BLOCK_C channels: for each tap o < K (a constexpr: 2-4) it loads
+x's rows t - o (masked where t % B < o: no tap crosses into the previous block), the static taps
+base[o, c] and the dynamic taps dynamic[t, o, c // group_size] (one per group, broadcast over the
+group's channels), accumulates in fp32 and stores y once in x's dtype. The bytes are x (K reads,
+the later ones from L1/L2), dynamic and y: a streaming kernel. Grid (cdiv(T, BLOCK_T),
+cdiv(H, BLOCK_C)) from the shapes only: graph-capturable.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import dispatch
+
+
+@triton.jit
+def _conv_kernel(x_ptr, d_ptr, b_ptr, y_ptr, T, H, B, GS, sx, sd_t, sd_k, sb,
+                 K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    in_t = t < T
+    in_c = c < H
+    pos = t % B
+    grp = c // GS
+    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for o in tl.static_range(K):
+        ok = in_t & (pos >= o)
+        m = ok[:, None] & in_c[None, :]
+        xv = tl.load(x_ptr + (t - o)[:, None] * sx + c[None, :], mask=m, other=0.0)
+        bv = tl.load(b_ptr + o * sb + c, mask=in_c, other=0.0)
+        dv = tl.load(d_ptr + t[:, None] * sd_t + o * sd_k + grp[None, :], mask=m, other=0.0)
+        acc += (bv.to(tl.float32)[None, :] + dv.to(tl.float32)) * xv.to(tl.float32)
+    mo = in_t[:, None] & in_c[None, :]
+    tl.store(y_ptr + t[:, None] * H + c[None, :], acc.to(y_ptr.dtype.element_ty), mask=mo)
+
+
+def grouped_dyn_conv(x, dynamic, base, group_size: int, block_size: int) -> torch.Tensor:
+    t, h = x.shape
+    y = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    if t == 0 or h == 0:
+        return y
+    k = base.shape[0]
+    block_c = min(256, triton.next_power_of_2(h))
+    block_t = max(1, min(16, 2048 // block_c))
+    grid = (triton.cdiv(t, block_t), triton.cdiv(h, block_c))
+    _conv_kernel[grid](x, dynamic, base, y, t, h, block_size, group_size, x.stride(0),
+                       dynamic.stride(0), dynamic.stride(1), base.stride(0), K=k,
+                       BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4)
+    return y
+
+
+dispatch.register_backend("grouped_dyn_conv", "triton", grouped_dyn_conv)

@@ -1,0 +1,109 @@
+"""``grouped_dyn_conv`` (DFlash 2's grouped dynamic causal convolution).
+
+The torch reference against the definition written as loops and against the ``dflash``
+package's own convolution (``dflash.model._grouped_dynamic_convolve``, run per block: batch =
+requests, length = B); the Triton kernel against the reference under TRITON_INTERPRET=1 on CPU
+(fp32 / fp16) over a grid of K, group sizes, block sizes (shorter than K included), request
+counts, strided dynamic views (a half of the [T, 2, K, G] projection) and channel counts that are
+not a power of two; on the GPU in bf16 / fp16 / fp32.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import run_interpreted
+
+from dflash_ops import dispatch
+from dflash_ops.ops.conv import grouped_dyn_conv, grouped_dyn_conv_ref
+
+
+def case(r, b, h, k, gs, dtype=torch.float32, strided=False, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    groups = h // gs
+    x = torch.randn(r * b, h, generator=g)
+    if strided:
+        dyn = (torch.randn(r * b, 2, k, groups, generator=g) * 0.5)[:, 0]
+    else:
+        dyn = torch.randn(r * b, k, groups, generator=g) * 0.5
+    base = torch.randn(k, h, generator=g) * 0.5
+    return dict(x=x.to(device, dtype), dynamic=dyn.to(device, dtype),
+                base=base.to(device, dtype), group_size=gs, block_size=b)
+
+
+def by_definition(x, dynamic, base, group_size, block_size):
+    t, h = x.shape
+    y = torch.zeros(t, h, dtype=torch.float64)
+    for row in range(t):
+        for c in range(h):
+            for o in range(base.shape[0]):
+                if row % block_size >= o:
+                    w = float(base[o, c]) + float(dynamic[row, o, c // group_size])
+                    y[row, c] += w * float(x[row - o, c])
+    return y
+
+
+@pytest.mark.parametrize("r,b,h,k,gs", [(2, 4, 16, 2, 4), (3, 3, 8, 4, 2), (1, 5, 12, 1, 12),
+                                        (4, 1, 8, 2, 8)])
+def test_reference_is_the_definition(r, b, h, k, gs):
+    kw = case(r, b, h, k, gs, seed=r * 7 + k)
+    want = by_definition(**kw)
+    torch.testing.assert_close(grouped_dyn_conv_ref(**kw).double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("k,gs", [(2, 16), (3, 8)])
+def test_reference_matches_the_dflash_package(dtype, tol, k, gs):
+    dm = pytest.importorskip("dflash.model")
+    r, b, h = 3, 16, 64
+    kw = case(r, b, h, k, gs, dtype=dtype, seed=k)
+    theirs = dm._grouped_dynamic_convolve(kw["x"].view(r, b, h), kw["dynamic"].reshape(r, b, -1),
+                                          kw["base"], gs).reshape(r * b, h)
+    ours = grouped_dyn_conv_ref(**kw)
+    torch.testing.assert_close(ours.float(), theirs.float(), atol=tol, rtol=tol)
+
+
+def test_no_tap_crosses_a_block_boundary():
+    """Changing block 0 never changes block 1's output."""
+    kw = case(2, 4, 16, 3, 4, seed=3)
+    y0 = grouped_dyn_conv_ref(**kw)
+    kw["x"] = kw["x"].clone()
+    kw["x"][:4] = 1e3
+    y1 = grouped_dyn_conv_ref(**kw)
+    assert torch.equal(y0[4:], y1[4:]) and not torch.equal(y0[:4], y1[:4])
+
+
+GRID = [(r, b, h, k, gs, strided) for r, b, h, k, gs, strided in (
+    (3, 16, 64, 2, 16, False), (2, 5, 48, 3, 8, True), (4, 1, 32, 2, 32, False),
+    (2, 3, 32, 4, 4, True), (1, 8, 320, 2, 16, True), (5, 2, 24, 1, 24, False))]
+
+
+def check_triton(device, dtypes):
+    for dtype in dtypes:
+        for r, b, h, k, gs, strided in GRID:
+            kw = case(r, b, h, k, gs, dtype=dtype, strided=strided, seed=r + b + k,
+                      device=device)
+            want = grouped_dyn_conv_ref(**kw)
+            with dispatch.use_backend("triton", ops=("grouped_dyn_conv",)):
+                got = grouped_dyn_conv(**kw)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol,
+                                       msg=lambda m: f"{dtype} {(r, b, h, k, gs)}: {m}")
+            assert got.is_contiguous() and got.dtype == dtype
+
+
+_SCRIPT = r"""
+import torch
+import tests.test_conv_kernels as t
+t.check_triton("cpu", (torch.float32, torch.float16))
+print("interp-ok")
+"""
+
+
+def test_triton_kernel_under_interpreter():
+    run_interpreted(_SCRIPT, timeout=600)
+
+
+@pytest.mark.gpu
+def test_triton_kernel_gpu():
+    check_triton("cuda", (torch.bfloat16, torch.float16, torch.float32))
