@@ -412,9 +412,10 @@ def test_real_qwen38_27b_dflash2(key):
     assert cfg.rope_theta == 1e7 and cfg.model_type == "dflash2"
     assert cfg.kv_width == 10240 and cfg.fc_in_features == 5 * 5120
     assert all(cfg.layer_window(i) == 2048 and not cfg.layer_causal(i) for i in range(5))
-    _, opt = expected_shapes(cfg)
-    assert opt["layers.0.attention_conv.kernel_projection.weight"] == [(2 * 2 * 320, 5120)]
-    assert opt["candidate_selector.hidden_projection.weight"] == [(256, 5120)]
+    req, _ = expected_shapes(cfg)  # a DFlash 2 checkpoint must ship its conv and selector
+    assert req["layers.0.attention_conv.kernel_projection.weight"] == [(2 * 2 * 320, 5120)]
+    assert req["candidate_selector.hidden_projection.weight"] == [(256, 5120)]
+    assert req["candidate_selector.predecessor_codebook.weight"] == [(248320, 256)]
     # speculators form: non-causal sliding layers either way
     spec = DFlashConfig.from_dict(zlab_to_speculators(qwen38_27b_dflash2(key)))
     assert spec.target_layer_ids == cfg.target_layer_ids
@@ -482,6 +483,7 @@ def test_weights_dflash2_extras():
         for conv in ("attention_conv", "mlp_conv"):
             state[f"layers.{i}.{conv}.base_kernel"] = torch.randn(2, 3, 32)
             state[f"layers.{i}.{conv}.kernel_projection.weight"] = torch.randn(2 * 3 * 4, 32)
+    state.pop("candidate_selector.predecessor_codebook.weight")
     state["candidate_selector.predecessor_codebook"] = torch.randn(64, 6)   # as the checkpoint
     state["candidate_selector.successor_codebook.weight"] = torch.randn(64, 6)
     state["candidate_selector.hidden_projection.weight"] = torch.randn(6, 32)

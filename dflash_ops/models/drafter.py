@@ -14,7 +14,9 @@ Per step, for a batch of requests:
   tokens' context K/V: the cache keeps context only), then ``block_attention`` over context +
   block (non-causal unless the layer is causal/sliding), ``o_proj``, residual, SwiGLU MLP; final
   norm; the LM head on the mask rows only; logits (model dtype; fp32 when the config scales or
-  soft-caps them); greedy tokens.
+  soft-caps them); greedy tokens. DFlash 2 (``model_type`` dflash2): each layer also convolves
+  its sublayers' inputs and outputs along the block (``models.layer.Conv``), and the drafts are
+  the candidate selector's greedy path over each row's top-k tokens (``select``).
 
 Weights are the checkpoint's (names: ``models.weights``); the embedding and LM head
 come from the target unless the checkpoint ships its own. Every request's block has the same
@@ -72,9 +74,18 @@ class DFlashDrafter:
         self.w_kv = w_kv.to(device=dev, dtype=dtype).contiguous()
         self.b_kv = None if b_kv is None else b_kv.to(device=dev, dtype=dtype)
         self.k_weight = k_weight.to(device=dev, dtype=dtype).contiguous()
+        v2 = cfg.model_type == "dflash2"
+        self.selector = None
+        if v2:  # DFlash 2: the candidate selector's codebooks [V, r] and projection [r, H]
+            self.selector = tuple(w(f"candidate_selector.{n}.weight") for n in (
+                "predecessor_codebook", "successor_codebook", "hidden_projection"))
+            if self.d2t is not None:
+                raise ValueError(f"DFlashDrafter: {cfg.source}: a DFlash 2 drafter with a reduced "
+                                 f"draft vocabulary (d2t) is not supported")
         self.layers = [DecoderLayer.load(
             state, f"layers.{i}.", dtype=dtype, device=dev, bias=cfg.attention_bias,
             qk_norm=True, causal=cfg.layer_causal(i), window=cfg.layer_window(i),
+            conv_group_size=cfg.conv_group_size if v2 else 0,
             sinks=(state[f"layers.{i}.self_attn.sinks"].to(device=dev, dtype=torch.float32)
                    if cfg.attention_sinks else None)) for i in range(cfg.num_layers)]
         self.cache = PagedKVCache(cfg.num_layers, num_blocks, cache_block_size, cfg.num_kv_heads,
@@ -114,7 +125,8 @@ class DFlashDrafter:
         req = requests.long()[:, None].expand(r, b).reshape(-1)
         t = Tokens(self.cfg, self.cos_sin, pos, self.cache.slots(req, pos),
                    self.cache.block_table[requests.long()], (start.long() + b).to(torch.int32),
-                   torch.arange(0, (r + 1) * b, b, dtype=torch.int32, device=self.device))
+                   torch.arange(0, (r + 1) * b, b, dtype=torch.int32, device=self.device),
+                   conv_block=b)
         x = self._embed(block_ids.reshape(-1))
         h = None
         for i, layer in enumerate(self.layers):
@@ -149,6 +161,9 @@ class DFlashDrafter:
         r, b = block_ids.shape
         hidden = self.forward_block(block_ids, requests, start).view(r, b, -1)[:, 1:]
         cfg = self.cfg
+        if self.selector is not None:
+            z = self.logits(hidden)
+            return self.select(hidden, z, block_ids[:, 0]), (z if logits else None)
         if not logits and cfg.output_multiplier > 0 and not cfg.final_logit_softcapping:
             z = linear(hidden, self.lm_head)
         else:
@@ -157,6 +172,27 @@ class DFlashDrafter:
         if self.d2t is not None:  # reduced draft vocabulary: draft id -> target id
             tokens = tokens + self.d2t[tokens]
         return tokens, (z if logits else None)
+
+
+    def select(self, hidden: torch.Tensor, z: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        """DFlash 2's candidate selector, greedy: per mask row j the top-k tokens of its logits
+        z [R, B-1, V] (unary scores), then walking j = 0 .. B-2 from the anchor (the block's
+        first token), score = unary + <pred_codebook[previous] * hidden_projection(hidden[j]),
+        succ_codebook[candidate]>, the argmax candidate becoming the previous token. Returns
+        the path [R, B-1] (the drafts)."""
+        pred_cb, succ_cb, proj = self.selector
+        unary, cand = torch.topk(z, self.cfg.selector_top_k, dim=-1)
+        hp = linear(hidden, proj)  # [R, B-1, r]
+        prev = anchor.long()
+        path = []
+        for j in range(hidden.shape[1]):
+            q = pred_cb[prev] * hp[:, j]  # [R, r]
+            c = cand[:, j]  # [R, k]
+            score = unary[:, j].float() + torch.einsum("rd,rkd->rk", q.float(),
+                                                       succ_cb[c].float())
+            prev = c.gather(1, score.argmax(-1, keepdim=True))[:, 0]
+            path.append(prev)
+        return torch.stack(path, 1)
 
 
 def random_drafter_state(cfg: DFlashConfig, seed: int = 0) -> dict:
@@ -188,4 +224,14 @@ def random_drafter_state(cfg: DFlashConfig, seed: int = 0) -> dict:
                 s[a + n + "_proj.bias"] = 0.1 * torch.randn(w, generator=g)
         if cfg.attention_sinks:
             s[a + "sinks"] = torch.randn(hq, generator=g)
+        if cfg.model_type == "dflash2":
+            k, groups = cfg.conv_kernel_size, h // cfg.conv_group_size
+            for conv in ("attention_conv", "mlp_conv"):
+                s[f"{p}{conv}.base_kernel"] = 0.3 * torch.randn(2, k, h, generator=g)
+                s[f"{p}{conv}.kernel_projection.weight"] = 0.3 * mat(2 * k * groups, h)
+    if cfg.model_type == "dflash2":
+        rank = cfg.selector_rank
+        for n in ("predecessor_codebook", "successor_codebook"):
+            s[f"candidate_selector.{n}"] = torch.randn(cfg.vocab_size, rank, generator=g)
+        s["candidate_selector.hidden_projection.weight"] = mat(rank, h)
     return s

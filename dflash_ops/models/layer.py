@@ -9,6 +9,10 @@ tokens' cache slots; ``block_attention`` of the new tokens over the request's ca
 new ones included); ``o_proj``; ``fused_add_rms_norm_`` (residual add + post-attention norm);
 the SwiGLU MLP (``silu_mul`` between the fused gate/up GEMM and down). The MLP output is
 returned, not added: the caller adds it (the next layer's input norm, a tap, the final norm).
+
+DFlash 2 layers also hold two grouped dynamic convolutions (``Conv``): ``attention_conv`` on the
+normed input of the attention (``prepare``) and on its output (``finish``), ``mlp_conv`` the same
+around the MLP, along each block's rows (``Tokens.conv_block``).
 """
 from __future__ import annotations
 
@@ -37,6 +41,26 @@ class Tokens:
     table: torch.Tensor
     seq_lens: torch.Tensor
     qsl: torch.Tensor
+    conv_block: int = 0  # rows per block of the DFlash 2 convolutions (0: no convolution)
+
+
+@dataclass
+class Conv:
+    """DFlash 2's grouped dynamic causal convolution around one sublayer: ``base [2, K, H]``,
+    ``proj [2 * K * G, H]`` (the kernel projection, G = H / group_size)."""
+    base: torch.Tensor
+    proj: torch.Tensor
+    group_size: int
+
+    def prepare(self, h: torch.Tensor, block: int):
+        """(the convolution of the sublayer's input h [T, H] with base[0] and the first half of
+        proj(h), the second half for ``finish``)."""
+        k = self.base.shape[1]
+        dyn = linear(h, self.proj).view(h.shape[0], 2, k, -1)
+        return OPS.grouped_dyn_conv(h, dyn[:, 0], self.base[0], self.group_size, block), dyn[:, 1]
+
+    def finish(self, y: torch.Tensor, dyn: torch.Tensor, block: int) -> torch.Tensor:
+        return OPS.grouped_dyn_conv(y, dyn, self.base[1], self.group_size, block)
 
 
 @dataclass
@@ -55,16 +79,26 @@ class DecoderLayer:
     causal: bool = True
     window: int = -1                   # block_attention's window (-1: none)
     sinks: Optional[torch.Tensor] = None  # [Hq] fp32 attention-sink logits
+    attn_conv: Optional[Conv] = None   # DFlash 2
+    mlp_conv: Optional[Conv] = None
 
     @classmethod
     def load(cls, state: dict, prefix: str, *, dtype, device, bias: bool, qk_norm: bool,
-             **attention) -> "DecoderLayer":
+             conv_group_size: int = 0, **attention) -> "DecoderLayer":
         """From HF tensor names under ``prefix`` (``self_attn.q_proj.weight``, ``mlp.*``,
-        ``input_layernorm.weight``, ...); ``attention``: causal, window, sinks."""
+        ``input_layernorm.weight``, ...); ``attention``: causal, window, sinks;
+        ``conv_group_size`` > 0: a DFlash 2 layer (``attention_conv.*``, ``mlp_conv.*``)."""
         def w(*names):  # the named tensors, concatenated along dim 0
             return torch.cat([state[prefix + n] for n in names]).to(device=device,
                                                                     dtype=dtype).contiguous()
 
+        def conv(name):
+            if not conv_group_size:
+                return None
+            return Conv(base=w(f"{name}.base_kernel"), proj=w(f"{name}.kernel_projection.weight"),
+                        group_size=conv_group_size)
+
+        attention.update(attn_conv=conv("attention_conv"), mlp_conv=conv("mlp_conv"))
         a = "self_attn."
         return cls(in_ln=w("input_layernorm.weight"), post_ln=w("post_attention_layernorm.weight"),
                    qkv=w(*(f"{a}{n}_proj.weight" for n in "qkv")),
@@ -87,6 +121,8 @@ class DecoderLayer:
             h = OPS.rms_norm(x, self.in_ln, eps)
         else:  # x += h; h = norm(x)
             OPS.fused_add_rms_norm_(h, x, self.in_ln, eps)
+        if self.attn_conv is not None:
+            h, attn_dyn = self.attn_conv.prepare(h, t.conv_block)
         qkv = linear(h, self.qkv, self.qkv_b)
         q = qkv[:, :hq * d].view(-1, hq, d)
         k = qkv[:, hq * d:(hq + hkv) * d].view(-1, hkv, d)
@@ -101,5 +137,11 @@ class DecoderLayer:
         attn = OPS.block_attention(q, k_cache, v_cache, t.table, t.seq_lens, t.qsl, d ** -0.5,
                                    self.causal, self.window, self.sinks)
         o = linear(attn.view(-1, hq * d), self.o, self.o_b)
+        if self.attn_conv is not None:
+            o = self.attn_conv.finish(o, attn_dyn, t.conv_block)
         OPS.fused_add_rms_norm_(o, x, self.post_ln, eps)  # x += o; o = norm(x)
-        return linear(OPS.silu_mul(linear(o, self.gate_up)), self.down)  # silu(gate) * up
+        if self.mlp_conv is None:
+            return linear(OPS.silu_mul(linear(o, self.gate_up)), self.down)  # silu(gate) * up
+        o, mlp_dyn = self.mlp_conv.prepare(o, t.conv_block)
+        out = linear(OPS.silu_mul(linear(o, self.gate_up)), self.down)
+        return self.mlp_conv.finish(out, mlp_dyn, t.conv_block)

@@ -138,17 +138,17 @@ def expected_shapes(cfg: DFlashConfig) -> tuple:
         if cfg.model_type == "dflash2":
             K, G = cfg.conv_kernel_size, H // cfg.conv_group_size
             for conv in ("attention_conv", "mlp_conv"):
-                opt[f"layers.{i}.{conv}.base_kernel"] = [(2, K, H)]
-                opt[f"layers.{i}.{conv}.kernel_projection.weight"] = [(2 * K * G, H)]
+                req[f"layers.{i}.{conv}.base_kernel"] = [(2, K, H)]
+                req[f"layers.{i}.{conv}.kernel_projection.weight"] = [(2 * K * G, H)]
     req.update({"fc.weight": [(H, cfg.fc_in_features)], "hidden_norm.weight": [(H,)],
                 "norm.weight": [(H,)]})
     vout = cfg.out_vocab_size
     opt.update({"embed_tokens.weight": [(cfg.vocab_size, H)], "lm_head.weight": [(vout, H)],
                 "d2t": [(vout,)], "t2d": [(cfg.vocab_size,)], "mask_embedding": [(H,), (1, H)]})
-    if cfg.model_type == "dflash2":
+    if cfg.model_type == "dflash2":  # the codebooks are nn.Embedding(vocab_size, rank)
         r = cfg.selector_rank
-        opt.update({f"{c}.weight": [(vout, r)] for c in _CODEBOOKS})
-        opt["candidate_selector.hidden_projection.weight"] = [(r, H)]
+        req.update({f"{c}.weight": [(cfg.vocab_size, r)] for c in _CODEBOOKS})
+        req["candidate_selector.hidden_projection.weight"] = [(r, H)]
     return req, opt
 
 

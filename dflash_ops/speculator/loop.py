@@ -172,6 +172,10 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
     if sampling is not None and getattr(drafter, "d2t", None) is not None:
         raise NotImplementedError("speculative sampling with a reduced draft vocabulary "
                                   "(d2t) is not implemented")
+    if sampling is not None and getattr(drafter, "selector", None) is not None:
+        raise NotImplementedError("speculative sampling with a DFlash 2 drafter is not "
+                                  "implemented yet (its draft distribution is the candidate "
+                                  "selector's q); use temperature=0")
     dev, cfg, n = target.device, drafter.cfg, len(prompts)
     bsz = cfg.block_size if block_size is None else block_size
     if bsz < 2:

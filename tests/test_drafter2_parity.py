@@ -1,0 +1,169 @@
+"""The DFlash 2 drafter against the ``dflash`` package's ``DFlash2DraftModel`` (CPU, fp32, torch
+backend): random weights saved in the z-lab and speculators formats, several steps with context
+appended; each step's mask-row logits equal and the selector's drafted path equal. Bad DFlash 2
+checkpoints (a missing convolution tensor, a wrong-rank kernel, a group size that does not
+divide H) give named errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+dm = pytest.importorskip("dflash.model")
+
+from dflash_ops.bench.drafter import RefHead  # noqa: E402
+from dflash_ops.models import DFlashConfig  # noqa: E402
+from dflash_ops.models.drafter import DFlashDrafter  # noqa: E402
+from dflash_ops.models.weights import load_state, save_speculators, save_zlab  # noqa: E402
+
+H, VOCAB, MASK = 64, 101, 100
+
+
+def cfg_dict(block_size=4, k=2, gs=16, rank=8, top_k=4, layer_types=("full_attention",) * 2,
+             sliding_window=None):
+    d = dict(architectures=["DFlash2DraftModel"], model_type="qwen3", hidden_size=H,
+             num_hidden_layers=len(layer_types), num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, intermediate_size=96, rms_norm_eps=1e-6, rope_theta=10000.0,
+             vocab_size=VOCAB, max_position_embeddings=512, attention_bias=False,
+             num_target_layers=6, block_size=block_size, layer_types=list(layer_types),
+             dflash_config={"target_layer_ids": [1, 3], "mask_token_id": MASK,
+                            "conv_kernel_size": k, "conv_group_size": gs,
+                            "selector_rank": rank, "selector_top_k": top_k})
+    if sliding_window is not None:
+        d.update(sliding_window=sliding_window, use_sliding_window=True)
+    return d
+
+
+def reference(d, seed):
+    torch.manual_seed(seed)
+    ref = dm.DFlash2DraftModel(transformers.Qwen3Config(**d)).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif "codebook" in name:
+                p.copy_(torch.randn_like(p))
+            elif "base_kernel" in name:
+                p.copy_(0.3 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+    return ref
+
+
+def run(d, fmt, tmp_path, seed=0, steps=(7, 2, 4, 1, 3)):
+    ref = reference(d, seed)
+    state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    (save_zlab if fmt == "zlab" else save_speculators)(tmp_path, d, state)
+    cfg = DFlashConfig.from_pretrained(tmp_path)
+    assert cfg.model_type == "dflash2"
+    embed = torch.randn(VOCAB, H)
+    head = torch.randn(VOCAB, H) * H ** -0.5
+    ours = DFlashDrafter(cfg, load_state(tmp_path), embed_tokens=embed, lm_head=head,
+                         dtype=torch.float32, num_blocks=16, cache_block_size=4, max_requests=2,
+                         max_len=64)
+    ours.cache.add_request(1)
+    req = torch.tensor([1])
+    bsz = cfg.block_size
+    cache = dm._make_cache(ref.config)
+    gen = torch.Generator().manual_seed(seed + 1)
+    start, tok = 0, 5
+    with torch.no_grad():
+        for step, n_new in enumerate(steps):
+            f = torch.randn(1, n_new, len(cfg.target_layer_ids) * H, generator=gen)
+            ours.add_context(f[0], req.expand(n_new), torch.arange(start, start + n_new))
+            start += n_new
+            ids = torch.tensor([[tok] + [MASK] * (bsz - 1)])
+            pos = torch.arange(start - n_new, start + bsz)[None]
+            hid = ref(target_hidden=f, noise_embedding=F.embedding(ids, embed), position_ids=pos,
+                      past_key_values=cache, use_cache=True)[:, 1 - bsz:, :]
+            dm._crop_to(cache, start)
+            want_logits = ref.compute_logits(hid, RefHead(head))
+            want_path, _, _ = ref.propose(hid, ids[:, 0], RefHead(head), 0.0)
+            drafts, got = ours.propose(ids, req, torch.tensor([start]))
+            torch.testing.assert_close(got.float(), want_logits, atol=2e-4, rtol=2e-4,
+                                       msg=lambda m: f"step {step}: {m}")
+            assert torch.equal(drafts, want_path), (step, drafts, want_path)
+            tok = int(want_path[0, 0])
+
+
+@pytest.mark.parametrize("fmt", ["zlab", "speculators"])
+def test_dflash2_parity(fmt, tmp_path):
+    run(cfg_dict(), fmt, tmp_path)
+
+
+def test_dflash2_parity_kernel3_block8_sliding(tmp_path):
+    run(cfg_dict(block_size=8, k=3, gs=8, top_k=6,
+                 layer_types=("sliding_attention", "sliding_attention"), sliding_window=6),
+        "zlab", tmp_path, seed=3)
+
+
+def _build(tmp_path, d, state):
+    save_zlab(tmp_path, d, state)
+    cfg = DFlashConfig.from_pretrained(tmp_path)
+    return DFlashDrafter(cfg, load_state(tmp_path), embed_tokens=torch.zeros(VOCAB, H),
+                         lm_head=torch.zeros(VOCAB, H), dtype=torch.float32, num_blocks=4,
+                         cache_block_size=4, max_requests=1, max_len=16)
+
+
+def _state(d):
+    return {k: v.detach().clone() for k, v in reference(d, 0).state_dict().items()}
+
+
+def test_missing_conv_tensor_is_named(tmp_path):
+    d = cfg_dict()
+    state = _state(d)
+    del state["layers.1.mlp_conv.kernel_projection.weight"]
+    with pytest.raises(ValueError, match=r"missing: layers\.1\.mlp_conv\.kernel_projection"):
+        _build(tmp_path, d, state)
+
+
+def test_wrong_rank_conv_kernel_is_named(tmp_path):
+    d = cfg_dict()
+    state = _state(d)
+    state["layers.0.attention_conv.base_kernel"] = state[
+        "layers.0.attention_conv.base_kernel"][0].clone()
+    with pytest.raises(ValueError, match=r"wrong shape: layers\.0\.attention_conv\.base_kernel"):
+        _build(tmp_path, d, state)
+
+
+def test_group_size_not_dividing_h_is_named(tmp_path):
+    d = cfg_dict(gs=24)
+    with pytest.raises(ValueError, match="conv_group_size"):
+        save_zlab(tmp_path, d, {})
+        DFlashConfig.from_pretrained(tmp_path)
+
+
+# --------------------------------------------------------------------------------------------
+# The loop with a DFlash 2 drafter: greedy is lossless (== plain greedy); sampling refused
+# --------------------------------------------------------------------------------------------
+def _pair(tmp_path):
+    from dflash_ops.models.target import Target, TargetConfig
+    tcfg = TargetConfig(hidden_size=H, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=16,
+                        intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=512)
+    target = Target.random(tcfg, seed=0, dtype=torch.float32, num_blocks=64, block_size=4,
+                           max_requests=2, max_len=96)
+    d = cfg_dict()
+    save_zlab(tmp_path, d, _state(d))
+    cfg = DFlashConfig.from_pretrained(tmp_path)
+    drafter = DFlashDrafter(cfg, load_state(tmp_path), embed_tokens=target.embed,
+                            lm_head=target.lm_head, dtype=torch.float32, num_blocks=64,
+                            cache_block_size=4, max_requests=2, max_len=96)
+    return target, drafter
+
+
+def test_dflash2_greedy_loop_equals_plain_greedy(tmp_path):
+    from dflash_ops.speculator import plain_greedy, speculative_generate
+    target, drafter = _pair(tmp_path)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    want = plain_greedy(target, prompts, 12)
+    got, stats = speculative_generate(target, drafter, prompts, 12, steps="direct")
+    assert got == want
+
+
+def test_dflash2_sampling_is_refused_by_name(tmp_path):
+    from dflash_ops.speculator import speculative_generate
+    target, drafter = _pair(tmp_path)
+    with pytest.raises(NotImplementedError, match="DFlash 2 drafter"):
+        speculative_generate(target, drafter, [[1, 2]], 4, temperature=0.8, steps="direct")
+    assert not target.cache._owned and not drafter.cache._owned
