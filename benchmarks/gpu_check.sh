@@ -110,8 +110,12 @@ import json, sys
 a, b = (json.load(open(p)) for p in sys.argv[1:3])
 same = sum(x == y for x, y in zip(a["outputs"], b["outputs"]))
 acc = [d["metrics"].get("vllm:spec_decode_num_accepted_tokens") for d in (a, b)]
+rows = list(zip(a["drafts"], b["drafts"]))  # one entry per drafter call: its rows' argmax
+tok = [(u, v) for x, y in rows for u, v in zip(x, y)]
 print(f"generate: {same} of {len(a['outputs'])} requests equal (stock vs {sys.argv[3]}, "
-      f"{a['dtype']}); accepted tokens {acc[0]} vs {acc[1]}")
+      f"{a['dtype']}); accepted tokens {acc[0]} vs {acc[1]}; drafts: "
+      f"{sum(x == y for x, y in rows)} of {len(rows)} drafter calls, "
+      f"{sum(u == v for u, v in tok)} of {len(tok)} tokens equal")
 PY
   done
 fi

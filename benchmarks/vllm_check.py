@@ -160,8 +160,29 @@ def check_caches(args) -> int:
     return 0 if ok else 1
 
 
+def _record_drafts(limit: int = 64) -> list:
+    """The drafter's greedy drafts (argmax of compute_logits) of its first ``limit`` eager calls,
+    as lists of token ids: outputs alone cannot tell a broken drafter (greedy speculative
+    decoding is lossless, and random weights accept nothing), the drafts can."""
+    import torch
+    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
+    inner = DFlashQwen3ForCausalLM.compute_logits
+    drafts = []
+
+    def recording(self, hidden_states, *a, **k):
+        logits = inner(self, hidden_states, *a, **k)
+        if len(drafts) < limit and logits is not None \
+                and not torch.cuda.is_current_stream_capturing():
+            drafts.append(logits.argmax(-1).tolist())
+        return logits
+
+    DFlashQwen3ForCausalLM.compute_logits = recording
+    return drafts
+
+
 def generate(args) -> int:
     from vllm import SamplingParams
+    drafts = _record_drafts()
     t0 = time.time()
     llm = _llm(args.root, args.eager, args.dtype, draft_backend=args.draft_backend)
     t1 = time.time()
@@ -179,11 +200,13 @@ def generate(args) -> int:
     res = {"plugin": os.environ.get("DFLASH_OPS_VLLM", "1") != "0", "eager": args.eager,
            "draft_backend": args.draft_backend,
            "dtype": args.dtype, "outputs": [list(o.outputs[0].token_ids) for o in outs],
+           "drafts": drafts,
            "metrics": metrics, "engine_start_s": round(t1 - t0, 1),
            "generate_s": round(t2 - t1, 1)}
     with open(args.out, "w") as f:
         json.dump(res, f)
-    print(json.dumps({k: v for k, v in res.items() if k != "outputs"}), flush=True)
+    print(json.dumps({k: v for k, v in res.items() if k not in ("outputs", "drafts")}),
+          flush=True)
     return 0
 
 

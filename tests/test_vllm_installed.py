@@ -53,10 +53,16 @@ def registry(monkeypatch):
 
 
 def test_register_puts_our_class_in_vllms_registry(registry):
+    aliases = [a for a, e in registry.models.items()
+               if getattr(e, "class_name", None) == "DFlashQwen3ForCausalLM"]
+    assert plugin.ARCH in aliases
     assert plugin.register()
     entry = registry.models[plugin.ARCH]
     module, cls = plugin.MODEL_CLS.split(":")
     assert (entry.module_name, entry.class_name) == (module, cls)
+    for arch in aliases:  # 0.33's aliases of the same model class too
+        e = registry.models[arch]
+        assert (e.module_name, e.class_name) == (module, cls), arch
     assert plugin.register()  # idempotent
     assert registry.models[plugin.ARCH] is entry
 
@@ -109,8 +115,11 @@ def test_every_buffer_the_plugin_reads_is_set_by_vllm():
 
 def _layer_views():
     """One layer's [B, H, N, 2*D] cache as vLLM 0.33 lays it out for each KVCacheLayout (the
-    physical order is the layout's layer view order)."""
-    from vllm.v1.kv_cache_layout import KVCacheLayout
+    physical order is the layout's layer view order); none before 0.33 (no such module)."""
+    try:
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+    except ImportError:
+        return
     b, h, n, d = 5, 2, 16, 64
     logical = (b, h, n, 2 * d)
     for layout in KVCacheLayout:
@@ -326,3 +335,75 @@ def test_do_kv_cache_update_writes_where_vllm_does():
             want[s // 16, 0, s % 16] = key[t]
             want[s // 16, 1, s % 16] = value[t]
     assert torch.equal(cache, want)
+
+
+# --------------------------------------------------------------------------------------------
+# The model class's wiring (the device check patched: CPU tensors, torch backend)
+# --------------------------------------------------------------------------------------------
+@pytest.fixture
+def wired(monkeypatch):
+    """Our model class on a stand-in drafter model, with the CUDA-only gates opened and vLLM's
+    own method recorded instead of run."""
+    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
+    from dflash_ops.integrations.vllm import model as pm
+    calls = {"stock": 0, "build": 0}
+    monkeypatch.setattr(pm, "_device_ok", lambda x: True)
+    monkeypatch.setattr(pm, "probe", lambda plan, x, pos: None)
+    real_build = pm.build_plan
+
+    def counting_build(m, x):
+        calls["build"] += 1
+        return real_build(m, x)
+
+    monkeypatch.setattr(pm, "build_plan", counting_build)
+
+    def stock(self, *a, **k):
+        calls["stock"] += 1
+
+    monkeypatch.setattr(DFlashQwen3ForCausalLM, "precompute_and_store_context_kv", stock)
+    obj = pm.DFlashOpsQwen3ForCausalLM.__new__(pm.DFlashOpsQwen3ForCausalLM)
+    torch.nn.Module.__init__(obj)
+    m, wt = _fake_model()
+    object.__setattr__(obj, "model", m)
+    return obj, m, wt, calls
+
+
+def test_model_none_slots_run_vllms_method(wired):
+    obj, m, wt, calls = wired
+    obj.precompute_and_store_context_kv(torch.randn(3, 32), torch.arange(3), None)
+    assert calls == {"stock": 1, "build": 0}
+
+
+def test_model_writes_caches_and_caches_its_plan(wired):
+    from tests.test_vllm_plugin import NB, BS, vllm_precompute
+    obj, m, wt, calls = wired
+    g = torch.Generator().manual_seed(11)
+    for step in range(3):
+        x = torch.randn(5, 32, generator=g)
+        pos = torch.randint(0, 256, (5,), generator=g)
+        slots = torch.randperm(NB * BS, generator=g)[:5]
+        want = [a.kv_cache.clone() for a in m._attn_layers]
+        vllm_precompute(wt, x, pos, slots, want, "blocks-2", 2, 64, 1e-6, True)
+        obj.precompute_and_store_context_kv(x, pos, slots)
+        for a, w in zip(m._attn_layers, want):
+            torch.testing.assert_close(a.kv_cache, w, atol=1e-5, rtol=1e-5)
+    assert calls == {"stock": 0, "build": 1}
+
+
+@pytest.mark.parametrize("what", ["cache-moved", "weights-reloaded"])
+def test_model_rebuilds_its_plan_when_vllm_moves_things(wired, what):
+    from tests.test_vllm_plugin import vllm_cache
+    obj, m, wt, calls = wired
+    x, pos, slots = torch.randn(2, 32), torch.arange(2), torch.tensor([0, 1])
+    obj.precompute_and_store_context_kv(x, pos, slots)
+    if what == "cache-moved":  # vLLM binds the real caches after profiling
+        m._attn_layers[1].kv_cache = vllm_cache("blocks-2")
+    else:  # load_weights restacks the buffers
+        m._fused_kv_weight = m._fused_kv_weight.clone() * 2
+    obj.precompute_and_store_context_kv(x, pos, slots)
+    assert calls["build"] == 2
+    plan = obj._dflash_ops_cached[1]
+    if what == "cache-moved":
+        assert plan.k_caches[1].data_ptr() == m._attn_layers[1].kv_cache[:, 0].data_ptr()
+    else:
+        assert plan.w_kv.data_ptr() == m._fused_kv_weight.data_ptr()

@@ -161,8 +161,20 @@ def test_store_equals_vllm_precompute(layout, slots_kind, is_neox, rot):
     want = [c.clone() for c in ours]
     before = [c.clone() for c in ours]
     vllm_precompute(wt, x, positions, slots, want, layout, HKV, D, eps, is_neox)
-    with dispatch.use_backend("torch", ops=("context_kv_",)):
-        store(_plan(wt, ours, HKV, D, eps, is_neox), x, positions, slots)
+    from dflash_ops.integrations.vllm import context as ctx
+    n_calls = []
+    real = ctx.context_kv_
+    ctx.context_kv_ = lambda *a, **k: (n_calls.append(len(a[7])), real(*a, **k))
+    try:
+        with dispatch.use_backend("torch", ops=("context_kv_",)):
+            store(_plan(wt, ours, HKV, D, eps, is_neox), x, positions, slots)
+    finally:
+        ctx.context_kv_ = real
+    # one fused call of every layer for one tensor or a list sharing one buffer, a call per
+    # layer with a slot tensor otherwise, none for None
+    want_calls = {"tensor": [n_layers], "list-shared": [n_layers], "list-distinct": [1] * 3,
+                  "list-with-none": [1, 1], "none": []}[slots_kind]
+    assert n_calls == want_calls, n_calls
     for i, (got, w) in enumerate(zip(ours, want)):
         torch.testing.assert_close(got, w, atol=1e-5, rtol=1e-5,
                                    msg=lambda m: f"layer {i} {layout} {slots_kind}: {m}")

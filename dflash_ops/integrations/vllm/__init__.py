@@ -67,12 +67,25 @@ def register() -> bool:
                     "untouched", ver or "(not installed)", ", ".join(TESTED))
         return False
     from vllm import ModelRegistry
-    ModelRegistry.register_model(ARCH, MODEL_CLS)
+    archs = _dflash_archs(ModelRegistry)
+    for arch in archs:
+        ModelRegistry.register_model(arch, MODEL_CLS)
     _state["registered"] = True
     log.info("dflash_ops: %s runs its context K/V precompute on torch.ops.dflash.context_kv_ "
-             "(vLLM %s)", ARCH, ver)
+             "(vLLM %s)", ", ".join(archs), ver)
     _register_backend()
     return True
+
+
+def _dflash_archs(registry) -> list:
+    """``ARCH`` and every other architecture vLLM maps to its ``DFlashQwen3ForCausalLM`` (0.33
+    adds aliases), read from the registry's lazy entries (nothing imported)."""
+    out = [ARCH]
+    for arch, entry in sorted(getattr(registry, "models", {}).items()):
+        if arch != ARCH and getattr(entry, "class_name", None) == "DFlashQwen3ForCausalLM" \
+                and str(getattr(entry, "module_name", "")).endswith("qwen3_dflash"):
+            out.append(arch)
+    return out
 
 
 def _register_backend() -> None:

@@ -13,7 +13,7 @@ its per-version plumbing) with the two calls that touch the cache replaced:
 
 What our kernels do not do is refused when vLLM builds the layer (configuration time), by
 vLLM's own ``supports_*`` checks (head size, KV-cache dtype, attention type, multimodal prefix,
-batch invariance, per-head quant scales) or, for what those do not cover, by a ValueError from
+batch invariance, per-head quant scales, R-SWA, ALiBi sqrt, compute capability < 8.0) or, for what those do not cover, by a ValueError from
 the impl's constructor naming the feature (ALiBi, logits soft cap, chunked lookback, a sliding
 window of another attention type). A per-request causal tensor in the metadata is refused at
 the first forward.
@@ -63,12 +63,15 @@ class DFlashOpsAttentionImpl(TritonAttentionImpl):
         self._sinks32: Optional[torch.Tensor] = None
 
     def _sinks(self) -> Optional[torch.Tensor]:
-        """The layer's sinks as the fp32 contiguous [Hq] our op takes (converted once: the
-        weights are loaded after construction, before the first forward)."""
+        """The layer's sinks as the fp32 contiguous [Hq] our op takes: a persistent buffer
+        refreshed every call (one tiny copy, graph-safe: vLLM loads and reloads the sinks in
+        place, so a copy taken once would go stale)."""
         if self.sinks is None:
             return None
         if self._sinks32 is None or self._sinks32.device != self.sinks.device:
-            self._sinks32 = self.sinks.detach().float().contiguous()
+            self._sinks32 = torch.empty(self.sinks.shape, dtype=torch.float32,
+                                        device=self.sinks.device)
+        self._sinks32.copy_(self.sinks.detach())
         return self._sinks32
 
     def fused_output_quant_supported(self, quant_key) -> bool:
@@ -85,14 +88,19 @@ class DFlashOpsAttentionImpl(TritonAttentionImpl):
             raise _refuse("per-request causal flags")
         if getattr(attn_metadata, "use_cascade", False):
             raise _refuse("cascade attention")
+        if getattr(attn_metadata, "rswa_prefix_lens", None) is not None:
+            raise _refuse("R-SWA (rswa_prefix_lens)")
+        if getattr(attn_metadata, "mm_prefix_range_tensor", None) is not None:
+            raise _refuse("multimodal prefix ranges")
         views = kv_views(kv_cache, self.num_kv_heads, self.head_size)
         if views is None:
             raise _refuse(f"KV cache layout {list(kv_cache.shape)}")
         n = attn_metadata.num_actual_tokens
         q = query[:n].view(n, self.num_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
-        block_attention(q, views[0], views[1], attn_metadata.block_table,
-                        attn_metadata.seq_lens, attn_metadata.query_start_loc, self.scale,
+        seq_lens = attn_metadata.seq_lens  # the table may hold more rows than requests
+        block_attention(q, views[0], views[1], attn_metadata.block_table[:seq_lens.shape[0]],
+                        seq_lens, attn_metadata.query_start_loc, self.scale,
                         bool(causal), self.window, self._sinks(), out=out)
         return output
 
@@ -146,3 +154,16 @@ class DFlashOpsAttentionBackend(TritonAttentionBackend):
     @classmethod
     def supports_non_causal(cls) -> bool:
         return True
+
+    @classmethod
+    def supports_rswa(cls) -> bool:  # 0.33's R-SWA masks: not in our kernel
+        return False
+
+    @classmethod
+    def supports_alibi_sqrt(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_compute_capability(cls, capability) -> bool:
+        major = getattr(capability, "major", None)
+        return major is None or major >= 8  # mma.sync / Triton tl.dot

@@ -4,7 +4,8 @@ Our ops take a cache ``[num_blocks, block_size, Hkv, D]`` with any strides and a
 stride, so each vLLM layout maps onto two strided views (no copy):
 
 * ``(num_blocks, 2, block_size, Hkv, D)``: TRITON_ATTN and FLEX_ATTENTION in vLLM 0.25;
-* ``(2, num_blocks, block_size, Hkv, D)``: FLASH_ATTN's;
+* ``(2, num_blocks, block_size, Hkv, D)``: K and V as two outer halves (no tested backend uses
+  it today; kept for backends that do);
 * ``(num_blocks, Hkv, block_size, 2 * D)``: K and V side by side (vLLM 0.33).
 
 The layout is read from the tensor's shape (the backend may store it permuted: the strides are

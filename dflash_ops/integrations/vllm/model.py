@@ -4,8 +4,9 @@ proposer checks isinstance) whose ``precompute_and_store_context_kv`` runs
 registry's lazy ``module:class`` entry, i.e. only when it builds the drafter.
 
 The plan (weights vLLM stacked in ``_build_fused_kv_buffers``, cache views) is built at the first
-call that writes and rebuilt when a layer's cache moves (vLLM binds the real caches after its
-memory profiling). vLLM's own method runs instead, with one log line, for quantized weights,
+call that writes, checked by one probe call (nothing written), and rebuilt when a layer's cache
+or a stacked buffer moves (vLLM binds the real caches after its memory profiling and restacks
+the buffers when it loads weights). vLLM's own method runs instead, with one log line, for quantized weights,
 an fp8 KV cache, an unknown cache layout, a head size or device our kernels lack. Under tensor
 parallelism every buffer vLLM stacked is already the rank's shard (its local KV heads).
 Also left to vLLM: a value scale (0.33's ``attention_value_scale``), which our op lacks.
@@ -34,13 +35,22 @@ def _once(msg: str, *args) -> None:
         log.warning("dflash_ops: " + msg, *args)
 
 
-def _cache_key(attn_layers) -> tuple:
-    out = []
-    for a in attn_layers:
-        c = a.kv_cache
-        c = c[0] if isinstance(c, (list, tuple)) and c else c
-        out.append(c.data_ptr() if isinstance(c, torch.Tensor) and c.numel() else None)
-    return tuple(out)
+def _ptr(t) -> Optional[int]:
+    t = t[0] if isinstance(t, (list, tuple)) and t else t
+    return t.data_ptr() if isinstance(t, torch.Tensor) and t.numel() else None
+
+
+def _plan_key(m, x: torch.Tensor) -> tuple:
+    """What a plan depends on: the context dtype / device, every layer's cache and the stacked
+    buffers vLLM rebuilds whenever it loads weights (a reload must not leave us on old ones)."""
+    bufs = ("_fused_kv_weight", "_fused_kv_bias", "_k_norm_weights", "_hidden_norm_weight",
+            "_rope_cos_sin_cache")
+    return (x.dtype, x.device, tuple(_ptr(a.kv_cache) for a in m._attn_layers),
+            tuple(_ptr(getattr(m, b, None)) for b in bufs))
+
+
+def _device_ok(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda"
 
 
 def build_plan(m, x: torch.Tensor) -> Optional[ContextPlan]:
@@ -87,32 +97,55 @@ def build_plan(m, x: torch.Tensor) -> Optional[ContextPlan]:
                        is_neox=bool(m._rope_is_neox))
 
 
+def probe(plan: ContextPlan, x: torch.Tensor, positions: torch.Tensor) -> Optional[str]:
+    """Why our kernels cannot serve this plan on x's device (None: they can): no compiled
+    kernel (the torch reference would synchronise the host), or a first call (one row, slot -1:
+    nothing written) that fails, e.g. a GPU the extension was not built for."""
+    from dflash_ops import dispatch
+    backend = dispatch.resolve("context_kv_", x.device)
+    if backend == "torch":
+        return "no compiled dflash_ops kernel for context_kv_ on this device"
+    if torch.cuda.is_current_stream_capturing():  # a plan first built inside a capture
+        return None
+    try:
+        store(plan, x[:1], positions[:1], torch.full((1,), -1, dtype=torch.long,
+                                                     device=x.device))
+        torch.cuda.synchronize(x.device)
+    except Exception as e:  # noqa: BLE001 - any failure means: leave it to vLLM, say why
+        return f"a first context_kv_ call failed ({type(e).__name__}: {str(e)[:200]})"
+    return None
+
+
 class DFlashOpsQwen3ForCausalLM(DFlashQwen3ForCausalLM):
     """vLLM's DFlash drafter with the context K/V precompute on ``torch.ops.dflash``."""
 
     def precompute_and_store_context_kv(self, context_states: torch.Tensor,
                                         context_positions: torch.Tensor,
                                         context_slot_mapping=None) -> None:
-        plan = self._dflash_ops_plan(context_states) if context_slot_mapping is not None \
-            else None
+        plan = self._dflash_ops_plan(context_states, context_positions) \
+            if context_slot_mapping is not None else None
         if plan is None:  # compute only (vLLM's dummy runs), or a case we leave to vLLM
             return super().precompute_and_store_context_kv(context_states, context_positions,
                                                            context_slot_mapping)
         store(plan, context_states, context_positions, context_slot_mapping)
 
-    def _dflash_ops_plan(self, x: torch.Tensor) -> Optional[ContextPlan]:
+    def _dflash_ops_plan(self, x: torch.Tensor,
+                         positions: torch.Tensor) -> Optional[ContextPlan]:
         m = self.model
         if not hasattr(m, "_num_attn_layers"):
             m._build_fused_kv_buffers()
-        key = (x.dtype, x.device, _cache_key(m._attn_layers))
+        key = _plan_key(m, x)
         cached = getattr(self, "_dflash_ops_cached", None)
         if cached is not None and cached[0] == key:
             return cached[1]
-        if x.device.type != "cuda":
+        if not _device_ok(x):
             plan = _once("context precompute on %s: vLLM's own method runs (our kernels are "
                          "CUDA)", x.device.type)
         else:
             plan = build_plan(m, x)
+            why = probe(plan, x, positions) if plan is not None else None
+            if why is not None:
+                plan = _once("%s: vLLM's own context precompute runs", why)
         self._dflash_ops_cached = (key, plan)
         if plan is not None:
             log.info("dflash_ops: context K/V precompute of %d layers on dflash.context_kv_ "
