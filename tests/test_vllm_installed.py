@@ -319,21 +319,27 @@ def test_forward_refuses_per_request_causal_flags():
                      torch.zeros(1, 512))
 
 
-def test_do_kv_cache_update_writes_where_vllm_does():
+@pytest.mark.parametrize("layout", ["blocks-2", "head-major"])
+def test_do_kv_cache_update_writes_where_vllm_does(layout):
+    """K/V as vLLM passes them (column slices of the qkv GEMM output, 2 padded rows past the
+    slots) into both cache layouts, against vLLM's own indexing of each layout."""
     from dflash_ops import dispatch
+    from tests.test_vllm_plugin import vllm_cache, vllm_get
     g = torch.Generator().manual_seed(10)
     impl = _impl()
-    cache = torch.randn(6, 2, 16, 2, 64, generator=g)
+    cache = vllm_cache(layout)
     before = cache.clone()
-    key, value = torch.randn(2, 7, 2, 64, generator=g).unbind(0)  # 2 padded rows past the slots
+    qkv = torch.randn(7, (8 + 2 * 2) * 64, generator=g)
+    key = qkv[:, 8 * 64:10 * 64].view(7, 2, 64)
+    value = qkv[:, 10 * 64:].view(7, 2, 64)
     slots = torch.tensor([3, -1, 40, 95, 17])
     with dispatch.use_backend("torch", ops=("store_kv_",)):
         impl.do_kv_cache_update(None, key, value, cache, slots)
     want = before.clone()
     for t, s in enumerate(slots.tolist()):
         if s >= 0:
-            want[s // 16, 0, s % 16] = key[t]
-            want[s // 16, 1, s % 16] = value[t]
+            vllm_get(want, layout, 0, s // 16, s % 16).copy_(key[t])
+            vllm_get(want, layout, 1, s // 16, s % 16).copy_(value[t])
     assert torch.equal(cache, want)
 
 
