@@ -183,16 +183,9 @@ class DFlashDrafter:
         pred_cb, succ_cb, proj = self.selector
         unary, cand = torch.topk(z, self.cfg.selector_top_k, dim=-1)
         hp = linear(hidden, proj)  # [R, B-1, r]
-        prev = anchor.long()
-        path = []
-        for j in range(hidden.shape[1]):
-            q = pred_cb[prev] * hp[:, j]  # [R, r]
-            c = cand[:, j]  # [R, k]
-            score = unary[:, j].float() + torch.einsum("rd,rkd->rk", q.float(),
-                                                       succ_cb[c].float())
-            prev = c.gather(1, score.argmax(-1, keepdim=True))[:, 0]
-            path.append(prev)
-        return torch.stack(path, 1)
+        path, _ = OPS.select_candidates(unary.contiguous(), cand.contiguous(), hp.contiguous(),
+                                        anchor.long().contiguous(), pred_cb, succ_cb, 0.0)
+        return path
 
 
 def random_drafter_state(cfg: DFlashConfig, seed: int = 0) -> dict:

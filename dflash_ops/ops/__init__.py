@@ -5,7 +5,7 @@ draw from, and ``bad_samples()``, the breaks of those inputs that tests/test_bad
 each op to reject. Importing this package defines every op."""
 import importlib
 
-FAMILIES = ("norm", "rope", "kv", "context", "attention", "act", "loop", "conv")
+FAMILIES = ("norm", "rope", "kv", "context", "attention", "act", "loop", "conv", "select")
 
 modules = {f: importlib.import_module(f".{f}", __name__) for f in FAMILIES}
 __all__ = [name for m in modules.values() for name in m.__all__]

@@ -1,0 +1,141 @@
+"""DFlash 2's candidate selector walk: ``select_candidates``.
+
+Per request r, mask row j < J of its block has unary scores ``unary [R, J, k]`` on candidate
+tokens ``cand [R, J, k]`` (the top-k of that row's logits) and a projected hidden state
+``hidden [R, J, rank]`` (the selector's ``hidden_projection``). Walking j = 0 .. J-1 from
+``anchor [R]`` (the block's first token):
+
+    score[r, j, i] = unary[r, j, i] + sum_d pred[prev, d] * hidden[r, j, d] * succ[cand[r, j, i], d]
+    temperature 0: pick = argmax_i score (the first maximum)
+    temperature T > 0: q[r, j] = softmax(score / T); pick = the first i whose running sum of q
+                       exceeds u[r, j] (given uniforms: graph-capturable, reproducible)
+    prev = cand[r, j, pick];  path[r, j] = prev
+
+with ``pred``/``succ`` the predecessor / successor codebooks ``[V, rank]``. Returns ``path [R, J]``
+int64 and ``q [R, J, k]`` fp32 (one-hot at the pick when greedy): q is the draft distribution
+that rejection sampling must use, on the k candidates. fp32 math throughout. A candidate or
+anchor id outside [0, V) reads as a zero codebook row (its score is its unary score).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import dispatch
+from . import _checks as C
+from ._samples import META, Maker, rnd, set_, to
+
+__all__ = ["select_candidates"]
+
+_OP = "select_candidates"
+
+
+def _check(unary, cand, hidden, anchor, pred, succ, temperature, u=None):
+    op = _OP
+    C.tensor(op, "unary", unary, rank=3, dtype=C.FLOAT_DTYPES, contiguous=True)
+    r, j, k = unary.shape
+    dev = unary.device
+    C.tensor(op, "cand", cand, shape=(r, j, k), dtype=torch.int64, device=dev, contiguous=True)
+    C.tensor(op, "anchor", anchor, shape=(r,), dtype=torch.int64, device=dev, contiguous=True)
+    C.tensor(op, "pred", pred, rank=2, dtype=C.FLOAT_DTYPES, device=dev, contiguous=True)
+    rank = pred.shape[1]
+    C.tensor(op, "succ", succ, shape=(pred.shape[0], rank), device=dev, contiguous=True)
+    C.same_dtype(op, "succ", succ, "pred", pred)
+    C.tensor(op, "hidden", hidden, shape=(r, j, rank), dtype=C.FLOAT_DTYPES, device=dev,
+             contiguous=True)
+    if not temperature >= 0:
+        C.fail(op, f"temperature must be >= 0, got {temperature}")
+    if temperature > 0:
+        if u is None:
+            C.fail(op, "u (uniforms [R, J]) is required when temperature > 0")
+        C.tensor(op, "u", u, shape=(r, j), dtype=torch.float32, device=dev, contiguous=True)
+
+
+def _rows(cb: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """cb[ids] in fp32, zero rows for ids outside [0, V)."""
+    ok = (ids >= 0) & (ids < cb.shape[0])
+    got = cb.float()[torch.where(ok, ids, torch.zeros_like(ids))]
+    return torch.where(ok[..., None], got, torch.zeros_like(got))
+
+
+def select_candidates_ref(unary, cand, hidden, anchor, pred, succ, temperature: float,
+                          u: Optional[torch.Tensor] = None):
+    r, j, k = unary.shape
+    prev = anchor
+    path, qs = [], []
+    for pos in range(j):
+        q_vec = _rows(pred, prev) * hidden[:, pos].float()  # [R, rank]
+        score = unary[:, pos].float() + torch.einsum("rd,rkd->rk", q_vec,
+                                                     _rows(succ, cand[:, pos]))
+        if temperature > 0:
+            q = torch.softmax(score / temperature, dim=-1)
+            cdf = q.cumsum(-1)
+            over = cdf > u[:, pos, None] * cdf[:, -1:]
+            pick = torch.where(over.any(-1), over.float().argmax(-1),
+                               torch.full_like(over[:, 0], k - 1, dtype=torch.long))
+        else:
+            pick = score.argmax(-1)
+            q = torch.nn.functional.one_hot(pick, k).float()
+        prev = cand[:, pos].gather(1, pick[:, None])[:, 0]
+        path.append(prev)
+        qs.append(q)
+    if j == 0:
+        return (torch.empty(r, 0, dtype=torch.long, device=unary.device),
+                torch.empty(r, 0, k, dtype=torch.float32, device=unary.device))
+    return torch.stack(path, 1), torch.stack(qs, 1)
+
+
+def _fake(unary, cand, hidden, anchor, pred, succ, temperature, u=None):
+    r, j, k = unary.shape
+    return (unary.new_empty((r, j), dtype=torch.long),
+            unary.new_empty((r, j, k), dtype=torch.float32))
+
+
+# Default triton: the only kernel so far.
+dispatch.define_op(
+    "select_candidates(Tensor unary, Tensor cand, Tensor hidden, Tensor anchor, Tensor pred, "
+    "Tensor succ, float temperature, Tensor? u=None) -> (Tensor, Tensor)",
+    validate=_check, reference=select_candidates_ref, fake=_fake, default="triton")
+
+
+def select_candidates(unary, cand, hidden, anchor, pred, succ, temperature: float = 0.0,
+                      u: Optional[torch.Tensor] = None):
+    """(path [R, J], q [R, J, k]): DFlash 2's selector walk over each row's candidates."""
+    return torch.ops.dflash.select_candidates.default(unary, cand, hidden, anchor, pred, succ,
+                                                      float(temperature), u)
+
+
+def samples(device, dtype) -> dict:
+    """Valid arguments per op, by case name, as {argument name: value} in schema order."""
+    def case(seed, r, j, k, rank, v, temperature=0.0):
+        m = Maker(seed, device, dtype)
+        g = torch.Generator().manual_seed(seed)
+        cand = torch.stack([torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(j)])
+                            for _ in range(r)]).to(device)
+        kw = dict(unary=m.rnd(r, j, k), cand=cand, hidden=m.rnd(r, j, rank),
+                  anchor=torch.randint(0, v, (r,), generator=g).to(device),
+                  pred=m.rnd(v, rank, scale=0.5), succ=m.rnd(v, rank, scale=0.5),
+                  temperature=temperature)
+        if temperature > 0:
+            kw["u"] = torch.rand(r, j, generator=g).to(device)
+        return kw
+
+    return {_OP: {"greedy": case(40, 3, 7, 4, 8, 50),
+                  "sampled": case(41, 2, 3, 16, 32, 100, temperature=0.7)}}
+
+
+def bad_samples() -> dict:
+    """Bad-input cases per op, as [(case name, mutation, argument the error names)]."""
+    return {_OP: [
+        ("unary-int", to("unary", dtype=torch.int32), "unary"),
+        ("unary-rank-2", set_(unary=rnd(3, 4)), "unary"),
+        ("cand-int32", to("cand", dtype=torch.int32), "cand"),
+        ("cand-wrong-k", set_(cand=torch.zeros(3, 7, 5, dtype=torch.long)), "cand"),
+        ("anchor-wrong-r", set_(anchor=torch.zeros(2, dtype=torch.long)), "anchor"),
+        ("hidden-wrong-rank", set_(hidden=rnd(3, 7, 6)), "hidden"),
+        ("succ-wrong-shape", set_(succ=rnd(49, 8)), "succ"),
+        ("pred-device", to("pred", device=META), "pred"),
+        ("temperature-negative", set_(temperature=-1.0), "temperature"),
+        ("u-missing-when-sampling", set_(temperature=0.5), "u"),
+    ]}

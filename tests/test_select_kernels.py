@@ -1,0 +1,125 @@
+"""``select_candidates`` (DFlash 2's candidate selector walk).
+
+Greedy: the torch reference's path equals the ``dflash`` package's ``CandidateSelector.select``
+on its own random weights. Sampled: q is softmax(score / T) of the scores written out in float64,
+and the draws follow q (chi-square over many uniforms). The Triton kernel against the reference
+under TRITON_INTERPRET=1 (fp32 / fp16; k and rank not powers of two; candidate and anchor ids
+outside the vocabulary) and on the GPU.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.conftest import run_interpreted
+
+from dflash_ops import dispatch
+from dflash_ops.ops.select import select_candidates, select_candidates_ref
+
+
+def case(r, j, k, rank, v, temperature=0.0, dtype=torch.float32, seed=0, device="cpu",
+         bad_ids=False):
+    g = torch.Generator().manual_seed(seed)
+    cand = torch.stack([torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(j)])
+                        for _ in range(r)])
+    anchor = torch.randint(0, v, (r,), generator=g)
+    if bad_ids:
+        cand[0, 0, 0] = v + 3
+        cand[-1, -1, -1] = -2
+        anchor[0] = -1
+    kw = dict(unary=torch.randn(r, j, k, generator=g).to(device, dtype), cand=cand.to(device),
+              hidden=torch.randn(r, j, rank, generator=g).to(device, dtype),
+              anchor=anchor.to(device),
+              pred=(torch.randn(v, rank, generator=g) * 0.5).to(device, dtype),
+              succ=(torch.randn(v, rank, generator=g) * 0.5).to(device, dtype),
+              temperature=temperature)
+    if temperature > 0:
+        kw["u"] = torch.rand(r, j, generator=g).to(device)
+    return kw
+
+
+def test_greedy_path_is_the_dflash_packages():
+    transformers = pytest.importorskip("transformers")
+    dm = pytest.importorskip("dflash.model")
+    cfg = transformers.Qwen3Config(hidden_size=32, vocab_size=60,
+                                   dflash_config={"selector_rank": 8, "selector_top_k": 5})
+    torch.manual_seed(0)
+    sel = dm.CandidateSelector(cfg)
+    with torch.no_grad():
+        for p in sel.parameters():
+            p.copy_(torch.randn_like(p))
+        hidden, logits = torch.randn(3, 6, 32), torch.randn(3, 6, 60)
+        anchor = torch.randint(0, 60, (3,))
+        want, _, _ = sel.select(hidden, logits, anchor, 0.0)
+        unary, cand = torch.topk(logits, 5, dim=-1)
+        path, q = select_candidates_ref(unary, cand, sel.hidden_projection(hidden), anchor,
+                                        sel.predecessor_codebook.weight,
+                                        sel.successor_codebook.weight, 0.0)
+    assert torch.equal(path, want)
+    assert torch.equal(q.sum(-1), torch.ones(3, 6))
+
+
+def test_sampled_q_is_the_softmax_of_the_scores():
+    kw = case(2, 3, 6, 8, 40, temperature=0.7, seed=1)
+    path, q = select_candidates_ref(**kw)
+    prev = kw["anchor"]
+    for j in range(3):
+        pv = kw["pred"].double()[prev] * kw["hidden"].double()[:, j]
+        score = kw["unary"].double()[:, j] + torch.einsum(
+            "rd,rkd->rk", pv, kw["succ"].double()[kw["cand"][:, j]])
+        want = torch.softmax(score / 0.7, -1)
+        torch.testing.assert_close(q[:, j].double(), want, atol=1e-6, rtol=1e-6)
+        prev = path[:, j]
+        assert bool((kw["cand"][:, j] == prev[:, None]).any(-1).all())
+
+
+def test_sampled_draws_follow_q():
+    """One request, one row, 4000 uniforms: the picks' counts against q (chi-square, p > 1e-3)."""
+    n, k = 4000, 6
+    kw = case(1, 1, k, 8, 30, temperature=1.3, seed=2)
+    kw = {a: (b.expand(n, *b.shape[1:]).contiguous() if isinstance(b, torch.Tensor)
+              and a != "pred" and a != "succ" else b) for a, b in kw.items()}
+    kw["u"] = torch.rand(n, 1, generator=torch.Generator().manual_seed(3))
+    path, q = select_candidates_ref(**kw)
+    counts = torch.stack([(path[:, 0] == c).sum() for c in kw["cand"][0, 0]]).double()
+    expected = q[0, 0].double() * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    # chi-square with k - 1 = 5 degrees of freedom: P(chi2 > 20.5) = 1e-3
+    assert chi2 < 20.5, (chi2, counts.tolist(), expected.tolist())
+
+
+GRID = [dict(r=3, j=7, k=4, rank=8, v=50), dict(r=2, j=3, k=20, rank=33, v=100),
+        dict(r=1, j=1, k=1, rank=4, v=9), dict(r=4, j=5, k=16, rank=64, v=300, bad_ids=True)]
+
+
+def check_triton(device, dtypes):
+    for dtype in dtypes:
+        for i, g in enumerate(GRID):
+            for temperature in (0.0, 0.8):
+                kw = case(**g, temperature=temperature, dtype=dtype, seed=10 + i, device=device)
+                want = select_candidates_ref(**kw)
+                with dispatch.use_backend("triton", ops=("select_candidates",)):
+                    got = select_candidates(**kw)
+                what = f"{dtype} {g} T={temperature}"
+                assert torch.equal(got[0], want[0]), what
+                torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5,
+                                           msg=lambda m: f"{what}: {m}")
+
+
+_SCRIPT = r"""
+import torch
+import tests.test_select_kernels as t
+t.check_triton("cpu", (torch.float32, torch.float16))
+print("interp-ok")
+"""
+
+
+def test_triton_kernel_under_interpreter():
+    run_interpreted(_SCRIPT, timeout=600)
+
+
+@pytest.mark.gpu
+def test_triton_kernel_gpu():
+    check_triton("cuda", (torch.float32, torch.bfloat16))
