@@ -251,7 +251,7 @@ def test_demo_command_runs_and_matches_plain_greedy(capsys):
     assert re.search(r"^steps +direct$", out, re.M), out  # "auto" resolved: direct on CPU
 
 
-def _small_vocab_pair(vocab=4, block_size=4, requests=16, device="cpu"):
+def _small_vocab_pair(vocab=4, block_size=4, requests=16, device="cpu", dflash2=False):
     tcfg = TargetConfig(hidden_size=H, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
                         intermediate_size=128, vocab_size=vocab, rms_norm_eps=1e-6,
                         rope_theta=10000.0, max_position_embeddings=512,
@@ -261,10 +261,12 @@ def _small_vocab_pair(vocab=4, block_size=4, requests=16, device="cpu"):
                            block_size=4, max_requests=requests, max_len=32, device=device)
     with torch.no_grad():  # sharper than random init: a distribution far from uniform
         target.lm_head.mul_(3.0)
+    v2 = dict(model_type="dflash2", conv_kernel_size=2, conv_group_size=16, selector_rank=8,
+              selector_top_k=min(3, vocab)) if dflash2 else {}
     dcfg = DFlashConfig(hidden_size=H, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
                         intermediate_size=96, vocab_size=vocab, mask_token_id=vocab - 1,
                         target_layer_ids=[0, 1], block_size=block_size,
-                        max_position_embeddings=512, source="<test>")
+                        max_position_embeddings=512, source="<test>", **v2)
     drafter = DFlashDrafter(dcfg, random_drafter_state(dcfg, 12), embed_tokens=target.embed,
                             lm_head=target.lm_head, dtype=torch.float32, num_blocks=8 * requests,
                             cache_block_size=4, max_requests=requests, max_len=32,
@@ -299,13 +301,15 @@ def _exact_joint(target, prompt, n, temperature, top_k):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("top_k", [0, 3])
-def test_sampling_matches_target_distribution(top_k, device):
+@pytest.mark.parametrize("top_k,drafter_kind", [(0, "dflash"), (3, "dflash"), (0, "dflash2"),
+                                                (3, "dflash2")])
+def test_sampling_matches_target_distribution(top_k, drafter_kind, device):
     """Chi-square over the joint of the first three new tokens (the first from the prefill, the
     next two from one draft-and-verify iteration with block 4): speculative rejection sampling
     must reproduce plain sampling from the target. 0.1% significance. On CUDA the acceptance
-    runs as the Triton kernel (direct steps: no graph capture per call)."""
-    target, drafter = _small_vocab_pair(device=device)
+    runs as the Triton kernel (direct steps: no graph capture per call). DFlash 2: the drafts
+    come from the candidate selector's sampled walk and q is its distribution (top 3 of 4)."""
+    target, drafter = _small_vocab_pair(device=device, dflash2=drafter_kind == "dflash2")
     prompt = [0, 2, 1, 1, 0]
     temp, n_new, reps = 1.0, 3, 16
     want = _exact_joint(target, prompt, n_new, temp, top_k)

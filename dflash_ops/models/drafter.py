@@ -174,18 +174,39 @@ class DFlashDrafter:
         return tokens, (z if logits else None)
 
 
-    def select(self, hidden: torch.Tensor, z: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+    def propose_sampled(self, block_ids: torch.Tensor, requests: torch.Tensor,
+                        start: torch.Tensor, temperature: float, u: torch.Tensor) -> tuple:
+        """DFlash 2 sampling: (drafts [R, B-1], q [R, B-1, V] fp32): the candidate selector's
+        walk drawing each row's token from softmax(score / temperature) with the uniforms
+        u [R, B-1], and that distribution scattered into the vocabulary (zero off the k
+        candidates): the q rejection sampling must use (not softmax of the logits; the user's
+        top_p / top_k do not apply to it, as in the reference)."""
+        if self.selector is None:
+            raise ValueError("DFlashDrafter.propose_sampled: only a DFlash 2 drafter has a "
+                             "candidate selector; sample a DFlash drafter's logits instead")
+        r, b = block_ids.shape
+        hidden = self.forward_block(block_ids, requests, start).view(r, b, -1)[:, 1:]
+        z = self.logits(hidden)
+        drafts, q_k, cand = self.select(hidden, z, block_ids[:, 0], temperature, u)
+        q = torch.zeros(*q_k.shape[:2], z.shape[-1], dtype=torch.float32, device=z.device)
+        return drafts, q.scatter_(2, cand, q_k)
+
+    def select(self, hidden: torch.Tensor, z: torch.Tensor, anchor: torch.Tensor,
+               temperature: float = 0.0, u: Optional[torch.Tensor] = None):
         """DFlash 2's candidate selector, greedy: per mask row j the top-k tokens of its logits
         z [R, B-1, V] (unary scores), then walking j = 0 .. B-2 from the anchor (the block's
         first token), score = unary + <pred_codebook[previous] * hidden_projection(hidden[j]),
         succ_codebook[candidate]>, the argmax candidate becoming the previous token. Returns
-        the path [R, B-1] (the drafts)."""
+        the path [R, B-1] (the drafts); with ``temperature`` > 0 each row's token is drawn from
+        softmax(score / temperature) with the uniforms u [R, B-1], and the result is
+        (path, q [R, B-1, k], candidates [R, B-1, k])."""
         pred_cb, succ_cb, proj = self.selector
         unary, cand = torch.topk(z, self.cfg.selector_top_k, dim=-1)
         hp = linear(hidden, proj)  # [R, B-1, r]
-        path, _ = OPS.select_candidates(unary.contiguous(), cand.contiguous(), hp.contiguous(),
-                                        anchor.long().contiguous(), pred_cb, succ_cb, 0.0)
-        return path
+        path, q = OPS.select_candidates(unary.contiguous(), cand.contiguous(), hp.contiguous(),
+                                        anchor.long().contiguous(), pred_cb, succ_cb,
+                                        float(temperature), u)
+        return path if temperature <= 0 else (path, q, cand)
 
 
 def random_drafter_state(cfg: DFlashConfig, seed: int = 0) -> dict:

@@ -9,7 +9,10 @@ step eagerly; ``capture(bucket)`` records it in a CUDA graph (``dispatch.capture
 warm-up on a side stream, then the capture) and later ``run`` calls replay it. Outputs: ``tokens``
 [bucket, B-1] (greedy drafts) and ``logits`` [bucket, B-1, V] (``DFlashDrafter.logits``: the
 model dtype unless the config scales or soft-caps them; None with ``logits=False``: greedy
-drafting), static tensors overwritten by each run. ``close()`` gives the scratch slot back.
+drafting), static tensors overwritten by each run. A DFlash 2 drafter sampling
+(``select_temperature`` > 0) draws its drafts in the selector from the static uniforms ``u``
+(the caller fills them before each run) and ``logits`` is then the selector's q [bucket, B-1, V].
+``close()`` gives the scratch slot back.
 """
 from __future__ import annotations
 
@@ -24,9 +27,13 @@ from ..ops.loop import prepare_step_
 
 class DraftStep:
     def __init__(self, drafter: DFlashDrafter, max_batch: int, scratch_request: int,
-                 block_size: Optional[int] = None, logits: bool = True):
+                 block_size: Optional[int] = None, logits: bool = True,
+                 select_temperature: float = 0.0):
         cfg = drafter.cfg
         self.want_logits = logits  # False (greedy): ``logits`` is None, argmax on the raw output
+        # DFlash 2 sampling: the selector draws the drafts from the uniforms ``u`` (filled by
+        # the caller before each run) and ``logits`` is its q [bucket, B-1, V]
+        self.select_temperature = float(select_temperature)
         dev = drafter.device
         self.drafter, self.max_batch = drafter, max_batch
         self.b = cfg.block_size if block_size is None else block_size
@@ -43,6 +50,7 @@ class DraftStep:
                                     device=dev)
         self.requests = torch.full((max_batch,), scratch_request, dtype=torch.long, device=dev)
         self.start = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        self.u = torch.zeros(max_batch, max(self.b - 1, 0), dtype=torch.float32, device=dev)
         self.tokens: Optional[torch.Tensor] = None
         self.logits: Optional[torch.Tensor] = None
         self._graphs: Dict[int, torch.cuda.CUDAGraph] = {}
@@ -105,6 +113,10 @@ class DraftStep:
     def _step(self, bucket: int) -> tuple:
         d = self.drafter
         d.add_context(self.ctx_hidden, self.ctx_req, self.ctx_pos)
+        if self.select_temperature > 0:
+            return d.propose_sampled(self.block_ids[:bucket], self.requests[:bucket],
+                                     self.start[:bucket], self.select_temperature,
+                                     self.u[:bucket])
         return d.propose(self.block_ids[:bucket], self.requests[:bucket], self.start[:bucket],
                          logits=self.want_logits)
 

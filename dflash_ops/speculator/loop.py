@@ -134,10 +134,12 @@ def _resolve_steps(steps: str, target, drafter, n: int) -> str:
     return steps
 
 
-def _open_steps(target, drafter, n: int, block: int, logits: bool) -> tuple:
+def _open_steps(target, drafter, n: int, block: int, logits: bool,
+                select_temperature: float = 0.0) -> tuple:
     """(DraftStep, VerifyStep) for n requests, each taking request slot n as its scratch slot;
     nothing stays taken if one cannot."""
-    dstep = DraftStep(drafter, max_batch=n, scratch_request=n, block_size=block, logits=logits)
+    dstep = DraftStep(drafter, max_batch=n, scratch_request=n, block_size=block, logits=logits,
+                      select_temperature=select_temperature)
     try:
         return dstep, VerifyStep(target, max_batch=n, block_size=block, scratch_request=n,
                                  tap_layers=drafter.cfg.target_layer_ids, logits=logits)
@@ -172,10 +174,6 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
     if sampling is not None and getattr(drafter, "d2t", None) is not None:
         raise NotImplementedError("speculative sampling with a reduced draft vocabulary "
                                   "(d2t) is not implemented")
-    if sampling is not None and getattr(drafter, "selector", None) is not None:
-        raise NotImplementedError("speculative sampling with a DFlash 2 drafter is not "
-                                  "implemented yet (its draft distribution is the candidate "
-                                  "selector's q); use temperature=0")
     dev, cfg, n = target.device, drafter.cfg, len(prompts)
     bsz = cfg.block_size if block_size is None else block_size
     if bsz < 2:
@@ -202,7 +200,10 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
             owned.add(r)
         if steps != "direct":
             try:
-                pair = _open_steps(target, drafter, n, bsz, logits=sampling is not None)
+                sel_t = (sampling.temperature if sampling is not None
+                         and getattr(drafter, "selector", None) is not None else 0.0)
+                pair = _open_steps(target, drafter, n, bsz, logits=sampling is not None,
+                                   select_temperature=sel_t)
             except (ValueError, RuntimeError) as e:
                 if not auto:
                     raise ValueError(f"speculative_generate(steps={steps!r}): the steps need "

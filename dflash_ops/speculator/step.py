@@ -230,8 +230,12 @@ class Iteration:
         """(drafts [R, B-1], q [R, B-1, V] (sampling) or None, seconds spent capturing)."""
         r, spent = rows.shape[0], 0.0
         want_logits = self.sampling is not None
+        # DFlash 2 sampling: the selector draws the drafts and gives q (not softmax(logits))
+        select = self.sampling is not None and getattr(self.drafter, "selector", None) is not None
         if self.dstep is not None:  # the block and context rows: one prepare_step_ launch
             bucket = self.dstep.load_next(rows, state.last, state.start, *state.pending)
+            if select:  # the uniforms, drawn eagerly into the static buffer
+                self.dstep.u[:bucket].uniform_(generator=self.sampling.generator)
             spent = self._capture(self.dstep, bucket)
             drafts, z = self.dstep.run(bucket)
             drafts, z = drafts[:r], (None if z is None else z[:r])
@@ -239,9 +243,17 @@ class Iteration:
             block = torch.full((r, self.b), self.drafter.cfg.mask_token_id, dtype=torch.long,
                                device=self.device)
             block[:, 0] = state.last[rows]
+            if select:
+                u = torch.rand(r, self.b - 1, generator=self.sampling.generator,
+                               device=self.device)
+                drafts, q = self.drafter.propose_sampled(block, rows, state.start[rows],
+                                                         self.sampling.temperature, u)
+                return drafts, q, spent
             drafts, z = self.drafter.propose(block, rows, state.start[rows], logits=want_logits)
         if self.sampling is None:
             return drafts, None, spent
+        if select:  # the draft step's output is the selector's q
+            return drafts, z, spent
         q = self.sampling.probs(z)  # [R, B-1, V]
         return self.sampling.draw(q), q, spent
 
