@@ -160,3 +160,33 @@ def test_dflash2_greedy_loop_equals_plain_greedy(tmp_path):
     want = plain_greedy(target, prompts, 12)
     got, stats = speculative_generate(target, drafter, prompts, 12, steps="direct")
     assert got == want
+
+
+def test_demo_runs_a_dflash2_checkpoint(tmp_path):
+    """``dflash-ops demo --target --draft`` on an HF target and a DFlash 2 z-lab drafter
+    (random weights): the loop's output equals plain greedy decoding."""
+    import subprocess
+    import sys
+    from dflash_ops.models import save_target
+    from dflash_ops.models.drafter import random_drafter_state
+    from dflash_ops.models.target import TargetConfig, random_state
+    h, lt, vocab = 64, 4, 128
+    tcfg = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=h,
+                num_hidden_layers=lt, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                intermediate_size=96, vocab_size=vocab, hidden_act="silu",
+                max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=1e6,
+                tie_word_embeddings=False)
+    tc = TargetConfig(hidden_size=h, num_layers=lt, num_heads=4, num_kv_heads=2, head_dim=16,
+                      intermediate_size=96, vocab_size=vocab, rope_theta=1e6,
+                      max_position_embeddings=512)
+    save_target(tmp_path / "target", tcfg, random_state(tc, 0))
+    d = cfg_dict(block_size=4)
+    d.update(vocab_size=vocab, num_target_layers=lt)
+    d["dflash_config"]["mask_token_id"] = vocab - 1
+    save_zlab(tmp_path / "drafter", d, random_drafter_state(DFlashConfig.from_dict(d), 1))
+    out = subprocess.run([sys.executable, "-m", "dflash_ops", "demo", "--target",
+                          str(tmp_path / "target"), "--draft", str(tmp_path / "drafter"),
+                          "--device", "cpu", "--max-new-tokens", "8", "--prompt-len", "6"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "output equals plain greedy decoding: yes" in out.stdout, out.stdout
