@@ -2,7 +2,7 @@
 # The one script run on the H200 (device tool): install (builds dflash_ops._C), info, check, the
 # GPU tests, the benchmarks. Logs and result tables go under $OUT (at most 8 files come back:
 # more are packed into $OUT/all.tgz at the end).
-# Usage: bash benchmarks/gpu_check.sh [build|tests|sanitize|vllm|vllm-bench|bench|ctx|attn|linear|drafter|e2e|models|compare|profile|cmake|all]
+# Usage: bash benchmarks/gpu_check.sh [build|tests|sanitize|vllm|vllm-bench|dflash2|bench|ctx|attn|linear|drafter|e2e|models|compare|profile|cmake|all]
 #   all:     tests + bench + ctx; build: install, info and check only
 #   sanitize: the hostile-value GPU tests (tests/test_hostile_inputs.py,
 #            tests/test_out_of_range_inputs.py) under compute-sanitizer memcheck and racecheck
@@ -133,6 +133,10 @@ if [ "$what" = vllm-bench ]; then
     [ $r -ne 0 ] && grep -E "Error|Traceback" "$OUT/vllm_bench_$v.log" | tail -5
   done
   python3 benchmarks/bench_vllm.py table "$OUT/vllm_bench.jsonl" --md "$OUT/vllm_bench.md"
+fi
+if [ "$what" = dflash2 ]; then  # DFlash 2's ops against their floors (bench_dflash2.py)
+  timeout 300 python3 benchmarks/bench_dflash2.py ${BENCH_ARGS:-} --out "$OUT/results" 2>&1 \
+    | tee "$OUT/bench_dflash2.log"
 fi
 if [ "$what" = compare ]; then
   old_dir=${OLD_DIR:-.old}

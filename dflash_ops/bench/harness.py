@@ -56,6 +56,10 @@ SUITES = {
     "drafter": ("dflash_ops.bench.drafter",
                 "one Qwen3-8B-DFlash draft step (context K/V + block + LM head + argmax), B 1-64 x "
                 "S 1k-8k, 1 x 131k: dflash reference eager vs ours eager / CUDA graph, floor"),
+    "dflash2": ("dflash_ops.bench.dflash2",
+                "DFlash 2's grouped_dyn_conv (x[T,5120], K 2, group 16) and select_candidates "
+                "(k 16, rank 256, V 248k) at Qwen3.8-27B-DFlash2 shapes: ours vs the dflash "
+                "reference / torch walk vs floor"),
     "e2e": ("dflash_ops.bench.e2e",
             "one DFlash iteration (draft + verify graphs) vs a decode step, Qwen3-8B shapes, "
             "B 1-64 x S 1k-8k: floors, implied speedup, GPU idle, host syncs"),

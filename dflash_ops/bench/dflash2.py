@@ -1,0 +1,102 @@
+"""``dflash-ops bench dflash2``: DFlash 2's two ops at Qwen3.8-27B-DFlash2 shapes (bf16).
+
+* ``grouped_dyn_conv`` on x [T, 5120], K 2, group size 16 (G 320), the dynamic taps a strided
+  half of the [T, 2, 2, 320] projection, blocks of 8 rows: our kernel (default backend) vs the
+  ``dflash`` package's convolution run eagerly (its per-tap bf16 products) vs the floor (x,
+  dynamic and y once, over this run's copy bandwidth), T 64 .. 16384 (batch x 8 rows).
+* ``select_candidates``: R requests x 7 rows, k 16, rank 256, V 248320 codebooks (the gathered
+  rows are the bytes: R * 7 * (k + 1) * rank * 2 + unary/hidden): our kernel vs the walk as
+  eager torch (the reference), R 1 .. 64.
+
+Timing: CUDA-graph replays (``time_fn(graph=True)``), inputs rotating over > 2x L2.
+"""
+from __future__ import annotations
+
+import torch
+
+from .harness import Results, floor_us, measure_floors, rotating, time_fn
+
+H, K, GS, BLOCK = 5120, 2, 16, 8
+CONV_T = (64, 512, 4096, 16384)
+QUICK_CONV_T = (512, 4096)
+SEL_R = (1, 8, 64)
+QUICK_SEL_R = (1, 64)
+
+
+def _conv(res: Results, ts, timing) -> None:
+    from dflash_ops.ops.conv import grouped_dyn_conv, grouped_dyn_conv_ref
+    g = H // GS
+    dev, bf16 = "cuda", torch.bfloat16
+    ref_fn = None
+    try:
+        import dflash.model as dm
+
+        def ref_fn(x, dyn, base):
+            r = x.shape[0] // BLOCK
+            return dm._grouped_dynamic_convolve(x.view(r, BLOCK, H), dyn.reshape(r, BLOCK, -1),
+                                                base, GS)
+    except ImportError:
+        res.notes.append("dflash package not installed: no reference column")
+    table = f"grouped_dyn_conv x[T,{H}] bf16, K {K}, group {GS}, blocks of {BLOCK}"
+    for t in ts:
+        def make(t=t):
+            x = torch.randn(t, H, dtype=bf16, device=dev)
+            dyn = torch.randn(t, 2, K, g, dtype=bf16, device=dev)[:, 0]
+            return x, dyn, torch.randn(K, H, dtype=bf16, device=dev)
+        moved = t * H * 2 * 2 + t * K * g * 2 + K * H * 2  # x, y, dynamic, base
+        sets = rotating(make, moved)
+        x, dyn, base = sets[0]
+        err = (grouped_dyn_conv(x, dyn, base, GS, BLOCK).float()
+               - grouped_dyn_conv_ref(x, dyn, base, GS, BLOCK).float()).abs().max().item()
+        fl = floor_us(res.floors, moved)
+        res.add_time(table, str(t), "ours", time_fn(
+            lambda x, d, b: grouped_dyn_conv(x, d, b, GS, BLOCK), rotate=sets, graph=True,
+            **timing), bytes_moved=moved, floor=fl, x=t, err=err)
+        if ref_fn is not None:
+            res.add_time(table, str(t), "dflash eager", time_fn(ref_fn, rotate=sets, graph=True,
+                                                                **timing),
+                         bytes_moved=moved, floor=fl, x=t)
+
+
+def _select(res: Results, rs, timing) -> None:
+    from dflash_ops.ops.select import select_candidates, select_candidates_ref
+    dev, bf16 = "cuda", torch.bfloat16
+    v, k, rank, j = 248320, 16, 256, 7
+    pred = torch.randn(v, rank, dtype=bf16, device=dev)
+    succ = torch.randn(v, rank, dtype=bf16, device=dev)
+    table = f"select_candidates J {j}, k {k}, rank {rank}, V {v} (greedy)"
+    for r in rs:
+        def make(r=r):
+            return (torch.randn(r, j, k, dtype=bf16, device=dev),
+                    torch.randint(0, v, (r, j, k), device=dev),
+                    torch.randn(r, j, rank, dtype=bf16, device=dev),
+                    torch.randint(0, v, (r,), device=dev))
+        moved = r * j * ((k + 1) * rank * 2 + k * 10 + rank * 2)
+        sets = rotating(make, r * j * (k * 10 + rank * 2))
+        fl = floor_us(res.floors, moved)
+        args = sets[0]
+        same = torch.equal(select_candidates(*args, pred, succ, 0.0)[0],
+                           select_candidates_ref(*args, pred, succ, 0.0)[0])
+        res.add_time(table, str(r), "ours", time_fn(
+            lambda *a: select_candidates(*a, pred, succ, 0.0), rotate=sets, graph=True,
+            **timing), bytes_moved=moved, floor=fl, x=r, same_path=same)
+        res.add_time(table, str(r), "torch walk", time_fn(
+            lambda *a: select_candidates_ref(*a, pred, succ, 0.0), rotate=sets, graph=True,
+            **timing), bytes_moved=moved, floor=fl, x=r)
+
+
+def run(quick: bool = False) -> Results:
+    import dflash_ops  # noqa: F401 - defines the ops, loads the CUDA extension
+
+    res = Results("dflash2", floors=measure_floors())
+    timing = dict(warmup_ms=10, rep_ms=40) if quick else dict(warmup_ms=25, rep_ms=100)
+    with torch.no_grad():
+        _conv(res, QUICK_CONV_T if quick else CONV_T, timing)
+        _select(res, QUICK_SEL_R if quick else SEL_R, timing)
+    res.notes += [
+        "timing: median per call of CUDA-graph replays; inputs rotate over sets totalling >= 2x "
+        "L2; floor = bytes read + written / this run's copy bandwidth",
+        "err: max abs difference of our conv from the torch reference (fp32 math, one rounding) "
+        "on the timed inputs; the dflash eager column rounds each tap's products in bf16",
+    ]
+    return res
