@@ -78,6 +78,10 @@ if [ "$what" = vllm ]; then
   . .vllm/install_on_gpu.sh .vllm/vllm-bundle.tar.xz > "$OUT/vllm_install.log" 2>&1 \
     || { tail -20 "$OUT/vllm_install.log"; exit 1; }
   tail -1 "$OUT/vllm_install.log"
+  timeout 200 python3 benchmarks/vllm_check.py attention >"$OUT/vllm_attention.log" 2>&1
+  r=$?; [ $r -ne 0 ] && rc=$r
+  echo "attention CUSTOM vs TRITON_ATTN (rc $r): $(grep '"summary"' "$OUT/vllm_attention.log")"
+  [ $r -ne 0 ] && grep -E '"ok": false|Error' "$OUT/vllm_attention.log" | head -8
   pair=/tmp/vllm-pair
   python3 benchmarks/vllm_check.py make-pair $pair --width "${VLLM_WIDTH:-tiny}"
   for combo in ${VLLM_COMBOS:-0:eager 0:graphs 1:graphs 0:graphs:CUSTOM}; do

@@ -11,6 +11,8 @@ One engine per process (vLLM's own rule of thumb); the engine core runs in this 
       the K and V rows the slots address within the tolerance, every other element bit-equal. The runner
       is vLLM's choice or VLLM_USE_V2_MODEL_RUNNER's. Prints one JSON line per call and a
       summary line; exits 1 when a call is out of tolerance or the plugin did not run.
+  python benchmarks/vllm_check.py attention
+      the CUSTOM backend's impl against vLLM's TRITON_ATTN impl on one paged cache (no engine)
   python benchmarks/vllm_check.py generate DIR [--eager] [--draft-backend CUSTOM] --out FILE.json
       greedy outputs and vLLM's speculative-decoding counters (DFLASH_OPS_VLLM=0: stock vLLM;
       --draft-backend CUSTOM: the plugin's draft attention backend)
@@ -210,12 +212,68 @@ def generate(args) -> int:
     return 0
 
 
+def check_attention(args) -> int:
+    """The CUSTOM backend's impl against vLLM's TRITON_ATTN impl on the same paged cache and
+    metadata (no engine): random bf16 / fp32 inputs, non-causal / causal, windows, sinks, GQA,
+    several requests of different lengths and padded query rows. Prints one line per case;
+    exit 1 when a case is out of tolerance."""
+    import types
+    import torch
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+    from dflash_ops.integrations.vllm.attention import DFlashOpsAttentionImpl
+
+    torch.manual_seed(0)
+    dev, nb, bs, hkv, d, hq = "cuda", 64, 16, 4, 128, 16
+    seq_lens = torch.tensor([40, 7, 300, 129], dtype=torch.int32, device=dev)
+    q_lens = [16, 5, 16, 1]
+    qsl = torch.tensor([0, 16, 21, 37, 38], dtype=torch.int32, device=dev)
+    n, pad = sum(q_lens), 6
+    table = torch.randperm(nb, device=dev)[:4 * 20].view(4, 20).to(torch.int32)
+    ok = True
+    for dtype in (torch.bfloat16, torch.float32):
+        cache = torch.randn(nb, 2, bs, hkv, d, dtype=dtype, device=dev)
+        for causal, window, sinks in ((False, None, False), (True, None, False),
+                                      (False, 64, True), (True, 32, True), (False, None, True)):
+            sk = torch.randn(hq, device=dev) if sinks else None
+            kw = dict(num_heads=hq, head_size=d, scale=d ** -0.5, num_kv_heads=hkv,
+                      alibi_slopes=None, sliding_window=window, kv_cache_dtype="auto", sinks=sk)
+            meta = types.SimpleNamespace(
+                num_actual_tokens=n, max_query_len=16, query_start_loc=qsl, max_seq_len=300,
+                seq_lens=seq_lens, block_table=table, slot_mapping=None, causal=causal,
+                use_cascade=False, common_prefix_len=0, cu_prefix_query_lens=None,
+                prefix_kv_lens=None, suffix_kv_lens=None, scheduler_metadata=None,
+                prefix_scheduler_metadata=None, mm_prefix_range=None,
+                mm_prefix_range_tensor=None, rswa_prefix_lens=None, rswa_window=None,
+                seq_threshold_3D=0, num_par_softmax_segments=16,
+                softmax_segm_output=torch.empty(0, hq, 16, d, device=dev),
+                softmax_segm_max=torch.empty(0, hq, 16, device=dev),
+                softmax_segm_expsum=torch.empty(0, hq, 16, device=dev))
+            layer = types.SimpleNamespace(_k_scale=torch.ones(1, device=dev),
+                                          _v_scale=torch.ones(1, device=dev), _q_scale=None)
+            query = torch.randn(n + pad, hq, d, dtype=dtype, device=dev)
+            outs = []
+            for cls in (TritonAttentionImpl, DFlashOpsAttentionImpl):
+                out = torch.zeros(n + pad, hq * d, dtype=dtype, device=dev)
+                cls(**kw).forward(layer, query, None, None, cache, meta, out.view(n + pad, hq, d))
+                outs.append(out)
+            torch.cuda.synchronize()
+            err = (outs[0].float() - outs[1].float()).abs().max().item()
+            tol = 2e-2 if dtype == torch.bfloat16 else 1e-3
+            good = err <= tol and bool((outs[1][n:] == 0).all())
+            ok &= good
+            print(json.dumps({"dtype": str(dtype), "causal": causal, "window": window,
+                              "sinks": sinks, "max_err": err, "ok": good}), flush=True)
+    print(json.dumps({"summary": "attention", "all_ok": ok}), flush=True)
+    return 0 if ok else 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("make-pair")
     p.add_argument("root")
     p.add_argument("--width", choices=sorted(WIDTHS), default="tiny")
+    sub.add_parser("attention", help="the CUSTOM impl vs TRITON_ATTN's on one cache")
     for name in ("caches", "generate"):
         p = sub.add_parser(name)
         p.add_argument("root")
@@ -234,6 +292,8 @@ def main(argv=None) -> int:
     if args.cmd == "make-pair":
         make_pair(args.root, args.width)
         return 0
+    if args.cmd == "attention":
+        return check_attention(args)
     return check_caches(args) if args.cmd == "caches" else generate(args)
 
 
