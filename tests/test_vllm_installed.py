@@ -280,21 +280,27 @@ def test_impl_refuses_what_our_kernels_lack(over, what):
         _impl(**over)
 
 
+@pytest.mark.parametrize("layout", ["blocks-2", "head-major"])
 @pytest.mark.parametrize("causal,window,sinks", [(False, None, False), (True, None, True),
                                                  (False, 5, True), (True, 3, False)])
-def test_forward_equals_our_reference_on_vllms_cache(causal, window, sinks):
+def test_forward_equals_our_reference_on_vllms_cache(causal, window, sinks, layout):
+    """The argument mapping (views, window W from vLLM's (W - 1, 0), sinks, causal, padded rows,
+    a block table with more rows than requests) on the torch backend; the kernels themselves
+    against vLLM's TRITON_ATTN impl: benchmarks/vllm_check.py attention (GPU)."""
     import types
     from dflash_ops import dispatch
     from dflash_ops.ops.attention import block_attention_ref
+    from tests.test_vllm_plugin import vllm_cache
     g = torch.Generator().manual_seed(9)
     hq, hkv, d, nb, bs = 8, 2, 64, 6, 16
     sink_w = torch.randn(hq, generator=g) if sinks else None
     impl = _impl(sliding_window=window, sinks=sink_w)
-    cache = torch.randn(nb, 2, bs, hkv, d, generator=g)  # TRITON_ATTN's layout
+    cache = vllm_cache(layout)
     seq_lens = torch.tensor([20, 7, 33], dtype=torch.int32)
     q_lens = [4, 3, 5]
     qsl = torch.tensor([0, 4, 7, 12], dtype=torch.int32)
-    table = torch.tensor([[0, 3, 0], [5, 0, 0], [1, 2, 4]], dtype=torch.int32)
+    # a persistent table with a spare row (vLLM slices it to the requests; we must too)
+    table = torch.tensor([[0, 3, 0], [5, 0, 0], [1, 2, 4], [9, 9, 9]], dtype=torch.int32)
     n, pad = sum(q_lens), 4
     query = torch.randn(n + pad, hq * d, generator=g)
     output = torch.zeros(n + pad, hq * d)
@@ -303,8 +309,9 @@ def test_forward_equals_our_reference_on_vllms_cache(causal, window, sinks):
     with dispatch.use_backend("torch", ops=("block_attention_out_",)):
         got = impl.forward(None, query, None, None, cache, meta, output)
     assert got is output
-    want = block_attention_ref(query[:n].view(n, hq, d), cache[:, 0], cache[:, 1], table,
-                               seq_lens, qsl, 0.125, causal, window or -1, sink_w)
+    kv = kv_views(cache, hkv, d)
+    want = block_attention_ref(query[:n].view(n, hq, d), kv[0], kv[1], table[:3], seq_lens, qsl,
+                               0.125, causal, window or -1, sink_w)
     torch.testing.assert_close(output[:n].view(n, hq, d), want)
     assert bool((output[n:] == 0).all()), "padded rows written"
 
