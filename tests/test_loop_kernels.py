@@ -153,6 +153,33 @@ def check_sample(device, backend, seeds=range(8), shapes=((8, 2, 300), (2, 1, 37
                     f"{what}: tokens of row {row}"
 
 
+def check_sample_sparse(device, backend, seeds=range(6), shapes=((4, 40, 5), (8, 300, 16),
+                                                                 (2, 37, 1), (5, 5000, 20))):
+    """A sparse q (k candidates a row, drafts among them, one draft replaced by a token no row
+    lists) on ``backend`` against the torch backend on the same q scattered into the
+    vocabulary (``dense_q``): the same commit, state and tokens."""
+    from dflash_ops.ops.loop import _sparse_q_sample, dense_q
+    for seed in seeds:
+        for b, vocab, k in shapes:
+            kw = _sparse_q_sample(seed, device, r=5, b=b, vocab=vocab, k=k)
+            if seed % 2:  # a draft with q = 0 (not a candidate): always rejected
+                kw["block"][0, 1] = int(kw["q_idx"][0, 0].max()) + 1 if vocab > k else 0
+            dense = dict(kw, q=dense_q(kw["q"], kw["q_idx"], vocab), q_idx=None)
+            outs = []
+            for bk, args in ((backend, kw), ("torch", dense)):
+                a = {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in args.items()}
+                with dispatch.use_backend(bk, ops=LOOP_OPS):
+                    torch.ops.dflash.sample_commit_.default(*a.values())
+                outs.append(a)
+            what = f"seed {seed} B {b} V {vocab} k {k}"
+            for name in ("kept", "done", "ctx_pos", "n_out", "start", "last", "out_tokens"):
+                assert torch.equal(outs[0][name].cpu(), outs[1][name].cpu()), f"{what}: {name}"
+
+
+def test_sparse_q_torch_equals_dense():
+    check_sample_sparse("cpu", "torch")
+
+
 def test_inverse_cdf_gives_each_token_its_mass():
     """Stratified uniforms (i + 0.5) / N: token k is drawn N * w_k / sum(w) times, +-1; zero-weight
     tokens never (also at u just below 1)."""
@@ -363,6 +390,7 @@ t.check_greedy("cpu", "triton", seeds=range(4))
 t.check_sample("cpu", "triton", seeds=range(4))
 t.check_sample_distribution("cpu", "triton", n=256)
 t.check_prepare("cpu", "triton", seeds=range(2))
+t.check_sample_sparse("cpu", "triton", seeds=range(2))
 print("interp-ok")
 """
 
@@ -373,6 +401,7 @@ def test_triton_kernels_under_interpreter():
 
 @pytest.mark.gpu
 def test_commit_kernels_gpu():
+    check_sample_sparse("cuda", "triton")
     check_greedy("cuda", "triton")
     check_sample("cuda", "triton",
                  shapes=((8, 2, 300), (2, 1, 37), (16, 0, 151936), (5, 3, 4097), (32, 2, 1000)))

@@ -176,20 +176,18 @@ class DFlashDrafter:
 
     def propose_sampled(self, block_ids: torch.Tensor, requests: torch.Tensor,
                         start: torch.Tensor, temperature: float, u: torch.Tensor) -> tuple:
-        """DFlash 2 sampling: (drafts [R, B-1], q [R, B-1, V] fp32): the candidate selector's
-        walk drawing each row's token from softmax(score / temperature) with the uniforms
-        u [R, B-1], and that distribution scattered into the vocabulary (zero off the k
-        candidates): the q rejection sampling must use (not softmax of the logits; the user's
-        top_p / top_k do not apply to it, as in the reference)."""
+        """DFlash 2 sampling: (drafts [R, B-1], q [R, B-1, k] fp32, candidates [R, B-1, k]): the
+        candidate selector's walk drawing each row's token from softmax(score / temperature)
+        with the uniforms u [R, B-1], and that distribution on each row's k candidates: the q
+        rejection sampling must use (``sample_commit``'s sparse q; not softmax of the logits;
+        the user's top_p / top_k do not apply to it, as in the reference)."""
         if self.selector is None:
             raise ValueError("DFlashDrafter.propose_sampled: only a DFlash 2 drafter has a "
                              "candidate selector; sample a DFlash drafter's logits instead")
         r, b = block_ids.shape
         hidden = self.forward_block(block_ids, requests, start).view(r, b, -1)[:, 1:]
         z = self.logits(hidden)
-        drafts, q_k, cand = self.select(hidden, z, block_ids[:, 0], temperature, u)
-        q = torch.zeros(*q_k.shape[:2], z.shape[-1], dtype=torch.float32, device=z.device)
-        return drafts, q.scatter_(2, cand, q_k)
+        return self.select(hidden, z, block_ids[:, 0], temperature, u)
 
     def select(self, hidden: torch.Tensor, z: torch.Tensor, anchor: torch.Tensor,
                temperature: float = 0.0, u: Optional[torch.Tensor] = None):

@@ -170,9 +170,23 @@ def sample_accept_ref(block, p, q, u, u_res):
     return match, post
 
 
+def dense_q(q: torch.Tensor, q_idx: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The sparse draft distribution q [R, B-1, k] on token ids q_idx [R, B-1, k] (distinct in a
+    row) scattered into the vocabulary: [R, B-1, V] fp32, zero elsewhere; ids outside [0, V)
+    are dropped."""
+    ok = (q_idx >= 0) & (q_idx < vocab)
+    out = torch.zeros(*q.shape[:2], vocab, dtype=torch.float32, device=q.device)
+    # scatter_add: a dropped id lands on id 0 with value 0 and must not overwrite id 0's value
+    return out.scatter_add_(2, torch.where(ok, q_idx, torch.zeros_like(q_idx)),
+                            torch.where(ok, q.float(), torch.zeros_like(q, dtype=torch.float32)))
+
+
 def sample_commit_ref(block, p, q, u, u_res, rows, n_out, start, last, out_tokens, stop_ids,
-                      max_new: int):
-    """``sample_accept_ref`` then ``commit_update``: (kept [R], done [R], ctx_pos [R, B])."""
+                      max_new: int, q_idx=None):
+    """``sample_accept_ref`` then ``commit_update``: (kept [R], done [R], ctx_pos [R, B]).
+    ``q_idx`` [R, B-1, k]: q is sparse, [R, B-1, k] values on those token ids (``dense_q``)."""
+    if q_idx is not None:
+        q = dense_q(q, q_idx, p.shape[-1])
     match, post = sample_accept_ref(block, p, q, u, u_res)
     return commit_update(block, post, match, rows, n_out, start, last, out_tokens, stop_ids,
                          max_new)
@@ -213,7 +227,7 @@ def _desc(t) -> str:
 
 
 def check_commit_args(op: str, block, rows, n_out, start, last, out_tokens, stop_ids,
-                      post=None, probs=None) -> None:
+                      post=None, probs=None, q_idx=None) -> None:
     """ValueError naming the argument (expected vs given) before anything is written: block
     [R, B] int64 (B >= 2 with ``probs``), post [R, B] int64, rows [R], n_out / start / last
     [N] and stop_ids [S] contiguous int64, out_tokens [N, W] int64 with unit column stride, all
@@ -240,10 +254,19 @@ def check_commit_args(op: str, block, rows, n_out, start, last, out_tokens, stop
                              or post.device != dev):
         C.fail(op, f"post must be int64 {[r, b]} on {dev}, got {_desc(post)}")
     if probs is not None:
-        p = probs[0]
+        p, q = probs[0], probs[1]
         v = p.shape[-1] if p.dim() == 3 else -1
+        kq = v  # q's last dim: the vocabulary, or k candidates when sparse
+        if q_idx is not None:
+            kq = q.shape[-1] if q.dim() == 3 else -1
+            if (q_idx.dtype != torch.long or tuple(q_idx.shape) != (r, b - 1, kq)
+                    or not q_idx.is_contiguous() or q_idx.device != dev or kq < 1):
+                C.fail(op, f"q_idx must be a contiguous int64 [{r}, {b - 1}, k >= 1] (q's "
+                           f"shape) on {dev}, got {_desc(q_idx)}")
+            if not q.is_contiguous():
+                C.fail(op, f"q must be contiguous with q_idx (sparse q), got {_desc(q)}")
         for name, t, shape in zip(("p", "q", "u", "u_res"), probs,
-                                  ((r, b, v), (r, b - 1, v), (r, b - 1), (r,))):
+                                  ((r, b, v), (r, b - 1, kq), (r, b - 1), (r,))):
             if (t.dtype != torch.float32 or tuple(t.shape) != shape or t.device != dev
                     or (t.numel() and t.stride(-1) != 1)):
                 C.fail(op, f"{name} must be fp32 {list(shape)} with unit stride in its last dim "
@@ -348,16 +371,17 @@ def _greedy_torch(block, post, rows, n_out, start, last, out_tokens, stop_ids, m
 
 
 def _check_sample(block, p, q, u, u_res, rows, n_out, start, last, out_tokens, stop_ids,
-                  max_new, kept, done, ctx_pos):
+                  max_new, kept, done, ctx_pos, q_idx=None):
     check_commit_args("sample_commit_", block, rows, n_out, start, last, out_tokens, stop_ids,
-                      probs=(p, q, u, u_res))
+                      probs=(p, q, u, u_res), q_idx=q_idx)
     _check_commit_outputs("sample_commit_", block, kept, done, ctx_pos)
 
 
 def _sample_torch(block, p, q, u, u_res, rows, n_out, start, last, out_tokens, stop_ids,
-                  max_new, kept, done, ctx_pos):
+                  max_new, kept, done, ctx_pos, q_idx=None):
     for out, got in zip((kept, done, ctx_pos), sample_commit_ref(
-            block, p, q, u, u_res, rows, n_out, start, last, out_tokens, stop_ids, max_new)):
+            block, p, q, u, u_res, rows, n_out, start, last, out_tokens, stop_ids, max_new,
+            q_idx)):
         out.copy_(got)
 
 
@@ -395,8 +419,10 @@ dispatch.define_op(
 dispatch.define_op(
     "sample_commit_(Tensor block, Tensor p, Tensor q, Tensor u, Tensor u_res, Tensor rows, "
     "Tensor(a!) n_out, Tensor(b!) start, Tensor(c!) last, Tensor(d!) out_tokens, "
-    "Tensor stop_ids, int max_new, Tensor(e!) kept, Tensor(f!) done, Tensor(g!) ctx_pos) -> ()",
-    validate=_check_sample, reference=_sample_torch, fake=lambda *args: None, default="triton",
+    "Tensor stop_ids, int max_new, Tensor(e!) kept, Tensor(f!) done, Tensor(g!) ctx_pos, "
+    "Tensor? q_idx=None) -> ()",
+    validate=_check_sample, reference=_sample_torch, fake=lambda *args, **kw: None,
+    default="triton",
     debug_check=lambda *a: _debug_rows("sample_commit_", a[5], a[6]))
 
 dispatch.define_op(
@@ -432,14 +458,15 @@ def greedy_commit(block, post, rows, n_out, start, last, out_tokens, stop_ids, m
 
 
 def sample_commit(block, p, q, u, u_res, rows, n_out, start, last, out_tokens, stop_ids,
-                  max_new: int):
+                  max_new: int, q_idx=None):
     """Speculative rejection sampling + commit in one kernel (``sample_commit_ref``'s
     contract); p / q / u / u_res are fp32 (p, q with unit stride in V), the rest as
-    ``greedy_commit``; drafts outside [0, V): see the module docstring. Returns (kept, done,
-    ctx_pos)."""
+    ``greedy_commit``; drafts outside [0, V): see the module docstring. ``q_idx`` [R, B-1, k]
+    int64: q is sparse, [R, B-1, k] values on those token ids (DFlash 2's selector q on its
+    candidates): no [R, B-1, V] tensor. Returns (kept, done, ctx_pos)."""
     outs = _commit_outputs(block)
     torch.ops.dflash.sample_commit_.default(block, p, q, u, u_res, rows, n_out, start, last,
-                                            out_tokens, stop_ids, max_new, *outs)
+                                            out_tokens, stop_ids, max_new, *outs, q_idx)
     return outs
 
 
@@ -530,6 +557,22 @@ def _sample_sample(seed, device, r=4, n=6, b=4, vocab=40, n_stop=1, max_new=12, 
                 max_new=max_new, kept=kept, done=done, ctx_pos=ctx_pos)
 
 
+def _sparse_q_sample(seed, device, r=4, b=4, vocab=40, k=5):
+    """A sample_commit_ case with a sparse q (k candidates a row, the draft among them, as
+    DFlash 2's selector gives): q_idx [R, B-1, k], q [R, B-1, k]."""
+    kw = _sample_sample(seed, device, r=r, b=b, vocab=vocab)
+    g = torch.Generator().manual_seed(seed + 100)
+    idx = torch.stack([torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(b - 1)])
+                       for _ in range(r)])
+    vals = torch.rand(r, b - 1, k, generator=g)
+    vals = vals / vals.sum(-1, keepdim=True)
+    pick = torch.multinomial(vals.reshape(-1, k), 1, generator=g).view(r, b - 1, 1)
+    block = kw["block"].cpu().clone()
+    block[:, 1:] = idx.gather(2, pick)[..., 0]
+    kw.update(block=block.to(device), q=vals.to(device), q_idx=idx.to(device))
+    return kw
+
+
 def _prepare_sample(seed, device, r=3, n=7, b=4, pad=2, rc=2, c_extra=1, drafts=True,
                     ctx=True):
     g = torch.Generator().manual_seed(seed)
@@ -556,7 +599,8 @@ def samples(device, dtype) -> dict:
         "greedy_commit_": {"b8": _greedy_sample(0, device),
                            "b2-nostop": _greedy_sample(1, device, b=2, n_stop=0)},
         "sample_commit_": {"b4": _sample_sample(2, device),
-                           "b2-strided": _sample_sample(3, device, b=2, strided=True)},
+                           "b2-strided": _sample_sample(3, device, b=2, strided=True),
+                           "b4-sparse-q": _sparse_q_sample(4, device)},
         "prepare_step_": {"draft": _prepare_sample(4, device, drafts=False),
                           "verify": _prepare_sample(5, device, ctx=False)},
     }

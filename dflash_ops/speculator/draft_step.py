@@ -11,7 +11,8 @@ warm-up on a side stream, then the capture) and later ``run`` calls replay it. O
 model dtype unless the config scales or soft-caps them; None with ``logits=False``: greedy
 drafting), static tensors overwritten by each run. A DFlash 2 drafter sampling
 (``select_temperature`` > 0) draws its drafts in the selector from the static uniforms ``u``
-(the caller fills them before each run) and ``logits`` is then the selector's q [bucket, B-1, V].
+(the caller fills them before each run) and ``logits`` is then the selector's sparse q:
+(q [bucket, B-1, k], candidate ids [bucket, B-1, k]).
 ``close()`` gives the scratch slot back.
 """
 from __future__ import annotations
@@ -113,10 +114,11 @@ class DraftStep:
     def _step(self, bucket: int) -> tuple:
         d = self.drafter
         d.add_context(self.ctx_hidden, self.ctx_req, self.ctx_pos)
-        if self.select_temperature > 0:
-            return d.propose_sampled(self.block_ids[:bucket], self.requests[:bucket],
-                                     self.start[:bucket], self.select_temperature,
-                                     self.u[:bucket])
+        if self.select_temperature > 0:  # (drafts, (q [bucket, B-1, k], candidates))
+            drafts, q, cand = d.propose_sampled(self.block_ids[:bucket], self.requests[:bucket],
+                                                self.start[:bucket], self.select_temperature,
+                                                self.u[:bucket])
+            return drafts, (q, cand)
         return d.propose(self.block_ids[:bucket], self.requests[:bucket], self.start[:bucket],
                          logits=self.want_logits)
 

@@ -227,7 +227,8 @@ class Iteration:
         return spent
 
     def _draft(self, state: State, rows: torch.Tensor) -> tuple:
-        """(drafts [R, B-1], q [R, B-1, V] (sampling) or None, seconds spent capturing)."""
+        """(drafts [R, B-1], q [R, B-1, V] (sampling; DFlash 2: (q [R, B-1, k], its candidate
+        ids), the selector's sparse q) or None, seconds spent capturing)."""
         r, spent = rows.shape[0], 0.0
         want_logits = self.sampling is not None
         # DFlash 2 sampling: the selector draws the drafts and gives q (not softmax(logits))
@@ -238,6 +239,8 @@ class Iteration:
                 self.dstep.u[:bucket].uniform_(generator=self.sampling.generator)
             spent = self._capture(self.dstep, bucket)
             drafts, z = self.dstep.run(bucket)
+            if select:  # (q [bucket, B-1, k], candidates): the selector's sparse q
+                return drafts[:r], (z[0][:r], z[1][:r]), spent
             drafts, z = drafts[:r], (None if z is None else z[:r])
         else:
             block = torch.full((r, self.b), self.drafter.cfg.mask_token_id, dtype=torch.long,
@@ -246,14 +249,12 @@ class Iteration:
             if select:
                 u = torch.rand(r, self.b - 1, generator=self.sampling.generator,
                                device=self.device)
-                drafts, q = self.drafter.propose_sampled(block, rows, state.start[rows],
-                                                         self.sampling.temperature, u)
-                return drafts, q, spent
+                drafts, q, cand = self.drafter.propose_sampled(block, rows, state.start[rows],
+                                                               self.sampling.temperature, u)
+                return drafts, (q, cand), spent
             drafts, z = self.drafter.propose(block, rows, state.start[rows], logits=want_logits)
         if self.sampling is None:
             return drafts, None, spent
-        if select:  # the draft step's output is the selector's q
-            return drafts, z, spent
         q = self.sampling.probs(z)  # [R, B-1, V]
         return self.sampling.draw(q), q, spent
 
@@ -286,8 +287,12 @@ class Iteration:
             p = self.sampling.probs(logits)  # [R, B, V]
             u = torch.rand((r, self.b - 1), device=self.device, generator=g)
             u_res = torch.rand((r,), device=self.device, generator=g)
+            q_idx = None
+            if isinstance(q, tuple):  # DFlash 2: the selector's q on its k candidates (sparse)
+                q, q_idx = q
             kept, fin, ctx_pos = sample_commit(block, p, q, u, u_res, rows, s.n_out, s.start,
-                                               s.last, s.out_tokens, s.stop, s.max_new)
+                                               s.last, s.out_tokens, s.stop, s.max_new,
+                                               q_idx=q_idx)
         else:
             kept, fin, ctx_pos = greedy_commit(block, post, rows, s.n_out, s.start, s.last,
                                                s.out_tokens, s.stop, s.max_new)

@@ -87,18 +87,40 @@ def _row_chunk(p_row, q_row, kv, V, q_lim):
 
 
 @triton.jit
-def _sample_commit_kernel(block_ptr, p_ptr, q_ptr, u_ptr, ures_ptr, rows_ptr, n_out_ptr,
+def _row_chunk_sparse(p_row, qv_row, qi_row, kv, V, q_lim, KQ, BK: tl.constexpr):
+    """``_row_chunk`` with a sparse q row: KQ values at token ids qi_row (the rest 0)."""
+    inside = kv < V
+    pv = tl.load(p_row + kv, mask=inside, other=0.0)
+    i = tl.arange(0, BK)
+    qi = tl.load(qi_row + i, mask=i < KQ, other=-1)
+    qv = tl.load(qv_row + i, mask=i < KQ, other=0.0)
+    hit = (qi[None, :] == kv[:, None]) & (kv < q_lim)[:, None]
+    qk = tl.sum(tl.where(hit, qv[None, :], 0.0), axis=1)
+    return inside, pv, tl.maximum(pv - qk, 0.0)
+
+
+@triton.jit
+def _sample_commit_kernel(block_ptr, p_ptr, q_ptr, qi_ptr, u_ptr, ures_ptr, rows_ptr, n_out_ptr,
                           start_ptr, last_ptr, out_ptr, stop_ptr, ctx_pos_ptr, kept_ptr,
-                          done_ptr, sp_r, sp_j, sq_r, sq_j, V, out_stride, out_width, n_stop,
+                          done_ptr, sp_r, sp_j, sq_r, sq_j, V, KQ, out_stride, out_width, n_stop,
                           max_new, N, B: tl.constexpr, BP: tl.constexpr, SP: tl.constexpr,
-                          BV: tl.constexpr):
+                          BV: tl.constexpr, SPARSE: tl.constexpr, BK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)  # r * sp_r can pass 2^31 at large R * B * V
     j = tl.arange(0, BP)
     is_d = j < B - 1
     drafts = tl.load(block_ptr + r * B + j + 1, mask=is_d, other=0)
     in_v = is_d & (drafts >= 0) & (drafts < V)  # a draft outside the vocabulary is rejected
     p_d = tl.load(p_ptr + r * sp_r + j * sp_j + drafts, mask=in_v, other=0.0)
-    q_d = tl.load(q_ptr + r * sq_r + j * sq_j + drafts, mask=in_v, other=0.0)
+    if SPARSE:  # q at the draft: its value among the row's KQ candidates (0 if absent)
+        i = tl.arange(0, BK)
+        m2 = is_d[:, None] & (i < KQ)[None, :]
+        qoff = r * sq_r + j[:, None] * sq_j + i[None, :]
+        qi = tl.load(qi_ptr + qoff, mask=m2, other=-1)
+        qv = tl.load(q_ptr + qoff, mask=m2, other=0.0)
+        q_d = tl.sum(tl.where((qi == drafts[:, None]) & m2, qv, 0.0), axis=1)
+        q_d = tl.where(in_v, q_d, 0.0)
+    else:
+        q_d = tl.load(q_ptr + r * sq_r + j * sq_j + drafts, mask=in_v, other=0.0)
     u = tl.load(u_ptr + r * (B - 1) + j, mask=is_d, other=1.0)
     ok = (u * q_d < p_d) & in_v
     match = tl.min(tl.where(ok, B - 1, j), axis=0)  # first rejection (B - 1: all accepted)
@@ -111,9 +133,13 @@ def _sample_commit_kernel(block_ptr, p_ptr, q_ptr, u_ptr, ures_ptr, rows_ptr, n_
     pmass = 0.0
     last_r = 0
     last_p = 0
+    qi_row = qi_ptr + r * sq_r + tl.minimum(match, B - 2) * sq_j
     for v0 in range(0, V, BV):
         kv = v0 + k
-        inside, pv, rv = _row_chunk(p_row, q_row, kv, V, q_lim)
+        if SPARSE:
+            inside, pv, rv = _row_chunk_sparse(p_row, q_row, qi_row, kv, V, q_lim, KQ, BK)
+        else:
+            inside, pv, rv = _row_chunk(p_row, q_row, kv, V, q_lim)
         mass += tl.sum(rv, axis=0)
         pmass += tl.sum(pv, axis=0)
         last_r = tl.maximum(last_r, tl.max(tl.where(rv > 0, kv, 0), axis=0))
@@ -126,7 +152,10 @@ def _sample_commit_kernel(block_ptr, p_ptr, q_ptr, u_ptr, ures_ptr, rows_ptr, n_
     run = 0.0
     for v0 in range(0, V, BV):
         kv = v0 + k
-        inside, pv, rv = _row_chunk(p_row, q_row, kv, V, q_lim)
+        if SPARSE:
+            inside, pv, rv = _row_chunk_sparse(p_row, q_row, qi_row, kv, V, q_lim, KQ, BK)
+        else:
+            inside, pv, rv = _row_chunk(p_row, q_row, kv, V, q_lim)
         dv = tl.where(use_r, rv, pv)
         cdf = run + tl.cumsum(dv, axis=0)
         hit = (dv > 0.0) & (cdf > target) & inside
@@ -158,21 +187,25 @@ def greedy_commit_(block, post, rows, n_out, start, last, out_tokens, stop_ids, 
 
 
 def sample_commit_(block, p, q, u, u_res, rows, n_out, start, last, out_tokens, stop_ids,
-                   max_new: int, kept, done, ctx_pos) -> None:
+                   max_new: int, kept, done, ctx_pos, q_idx=None) -> None:
     """``torch.ops.dflash.sample_commit_``, one program a request: two passes over the V
     probabilities of the one row drawn from (mass and last nonzero token, then the inverse CDF:
-    the first token with weight whose running sum exceeds u_res * mass)."""
+    the first token with weight whose running sum exceeds u_res * mass). A sparse q (``q_idx``)
+    is matched against each chunk of V token ids ([BV, k] compares, BV 1024)."""
     r, b = block.shape
     v = p.shape[-1]
     if r == 0:
         return
+    sparse = q_idx is not None
+    kq = q.shape[-1] if sparse else v
+    bv = min(1024 if sparse else 4096, triton.next_power_of_2(v))
     _sample_commit_kernel[(r,)](
-        block.contiguous(), p, q, u.contiguous(), u_res.contiguous(), rows, n_out, start, last,
-        out_tokens, _stops(stop_ids), ctx_pos, kept, done.view(torch.int8), p.stride(0),
-        p.stride(1), q.stride(0), q.stride(1), v, out_tokens.stride(0), out_tokens.shape[1],
-        stop_ids.numel(), max_new, n_out.shape[0], B=b, BP=triton.next_power_of_2(b),
-        SP=triton.next_power_of_2(max(1, stop_ids.numel())),
-        BV=min(4096, triton.next_power_of_2(v)))
+        block.contiguous(), p, q, q_idx if sparse else block, u.contiguous(), u_res.contiguous(),
+        rows, n_out, start, last, out_tokens, _stops(stop_ids), ctx_pos, kept,
+        done.view(torch.int8), p.stride(0), p.stride(1), q.stride(0), q.stride(1), v, kq,
+        out_tokens.stride(0), out_tokens.shape[1], stop_ids.numel(), max_new, n_out.shape[0],
+        B=b, BP=triton.next_power_of_2(b), SP=triton.next_power_of_2(max(1, stop_ids.numel())),
+        BV=bv, SPARSE=sparse, BK=triton.next_power_of_2(kq) if sparse else 1)
 
 
 @triton.jit
