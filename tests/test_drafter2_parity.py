@@ -51,7 +51,9 @@ def reference(d, seed):
     return ref
 
 
-def run(d, fmt, tmp_path, seed=0, steps=(7, 2, 4, 1, 3)):
+def run(d, fmt, tmp_path, seed=0, steps=(7, 2, 4, 1, 3), device="cpu", dtype=torch.float32,
+        tol=2e-4):
+    """Reference (fp32, CPU) vs ours (``dtype`` on ``device``, the default backends)."""
     ref = reference(d, seed)
     state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     (save_zlab if fmt == "zlab" else save_speculators)(tmp_path, d, state)
@@ -60,10 +62,10 @@ def run(d, fmt, tmp_path, seed=0, steps=(7, 2, 4, 1, 3)):
     embed = torch.randn(VOCAB, H)
     head = torch.randn(VOCAB, H) * H ** -0.5
     ours = DFlashDrafter(cfg, load_state(tmp_path), embed_tokens=embed, lm_head=head,
-                         dtype=torch.float32, num_blocks=16, cache_block_size=4, max_requests=2,
-                         max_len=64)
+                         dtype=dtype, device=device, num_blocks=16, cache_block_size=4,
+                         max_requests=2, max_len=64)
     ours.cache.add_request(1)
-    req = torch.tensor([1])
+    req = torch.tensor([1], device=device)
     bsz = cfg.block_size
     cache = dm._make_cache(ref.config)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -71,7 +73,8 @@ def run(d, fmt, tmp_path, seed=0, steps=(7, 2, 4, 1, 3)):
     with torch.no_grad():
         for step, n_new in enumerate(steps):
             f = torch.randn(1, n_new, len(cfg.target_layer_ids) * H, generator=gen)
-            ours.add_context(f[0], req.expand(n_new), torch.arange(start, start + n_new))
+            ours.add_context(f[0].to(device), req.expand(n_new),
+                             torch.arange(start, start + n_new, device=device))
             start += n_new
             ids = torch.tensor([[tok] + [MASK] * (bsz - 1)])
             pos = torch.arange(start - n_new, start + bsz)[None]
@@ -80,16 +83,28 @@ def run(d, fmt, tmp_path, seed=0, steps=(7, 2, 4, 1, 3)):
             dm._crop_to(cache, start)
             want_logits = ref.compute_logits(hid, RefHead(head))
             want_path, _, _ = ref.propose(hid, ids[:, 0], RefHead(head), 0.0)
-            drafts, got = ours.propose(ids, req, torch.tensor([start]))
-            torch.testing.assert_close(got.float(), want_logits, atol=2e-4, rtol=2e-4,
+            drafts, got = ours.propose(ids.to(device), req, torch.tensor([start], device=device))
+            torch.testing.assert_close(got.float().cpu(), want_logits, atol=tol, rtol=tol,
                                        msg=lambda m: f"step {step}: {m}")
-            assert torch.equal(drafts, want_path), (step, drafts, want_path)
+            if dtype == torch.float32:
+                assert torch.equal(drafts.cpu(), want_path), (step, drafts, want_path)
             tok = int(want_path[0, 0])
 
 
 @pytest.mark.parametrize("fmt", ["zlab", "speculators"])
 def test_dflash2_parity(fmt, tmp_path):
     run(cfg_dict(), fmt, tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3), (torch.bfloat16, 6e-2)],
+                         ids=["fp32", "bf16"])
+def test_dflash2_parity_gpu(tmp_path, dtype, tol):
+    """The same on the GPU (default backends: Triton conv and selector, CUDA attention); fp32:
+    logits close and paths equal; bf16: logits to the bf16 tolerance (paths may part at
+    near-ties)."""
+    run(cfg_dict(block_size=8, k=3, gs=8, top_k=6), "zlab", tmp_path, seed=4, device="cuda",
+        dtype=dtype, tol=tol)
 
 
 def test_dflash2_parity_kernel3_block8_sliding(tmp_path):
