@@ -12,7 +12,7 @@
 #            benchmarks/vllm_check.py caches for each VLLM_COMBOS entry
 #            (runner:eager|graphs[:draft backend, TRITON_ATTN or CUSTOM]),
 #            then stock vs plugin greedy outputs (generate; VLLM_GEN_SIDES) while VLLM_BUDGET_S
-#            lasts
+#            lasts; VLLM_VARIANT=bias-swa: a drafter with qkv/o bias and a window of 64
 #   vllm-bench: benchmarks/bench_vllm.py on the 8B-width pair, one process per variant
 #            (VLLM_VARIANTS, default plain stock plugin custom; BENCH_ARGS for --batch/--context)
 #   attn:    the attention suite (BENCH_ARGS: --quick, --cases, --tables, --no-flex)
@@ -83,7 +83,8 @@ if [ "$what" = vllm ]; then
   echo "attention CUSTOM vs TRITON_ATTN (rc $r): $(grep '"summary"' "$OUT/vllm_attention.log")"
   [ $r -ne 0 ] && grep -E '"ok": false|Error' "$OUT/vllm_attention.log" | head -8
   pair=/tmp/vllm-pair
-  python3 benchmarks/vllm_check.py make-pair $pair --width "${VLLM_WIDTH:-tiny}"
+  python3 benchmarks/vllm_check.py make-pair $pair --width "${VLLM_WIDTH:-tiny}" \
+    --variant "${VLLM_VARIANT:-plain}"
   for combo in ${VLLM_COMBOS:-0:eager 0:graphs 1:graphs 0:graphs:CUSTOM}; do
     IFS=: read -r runner mode backend <<<"$combo"; backend=${backend:-TRITON_ATTN}
     flag=""; [ "$mode" = eager ] && flag=--eager

@@ -35,7 +35,13 @@ WIDTHS = {  # hidden, target layers, heads, kv heads, head_dim, inter, vocab, dr
 BLOCK = 16  # drafter block: 15 speculative tokens
 
 
-def make_pair(root: str, width: str) -> None:
+VARIANTS = {  # drafter attention features beyond the plain pair, for the caches / attention checks
+    "plain": {},
+    "bias-swa": {"attention_bias": True, "swa": 64},  # qkv/o bias; non-causal window of 64
+}
+
+
+def make_pair(root: str, width: str, variant: str = "plain") -> None:
     import torch
     from dflash_ops.models import save_target, save_zlab
     from dflash_ops.models.config import DFlashConfig
@@ -60,12 +66,18 @@ def make_pair(root: str, width: str) -> None:
                 attention_bias=False, tie_word_embeddings=False, torch_dtype="bfloat16",
                 num_target_layers=lt, block_size=BLOCK,
                 dflash_config={"target_layer_ids": taps, "mask_token_id": vocab - 1})
-    dc = DFlashConfig.from_dict(dcfg, source="vllm_check drafter")
+    feats = VARIANTS[variant]
+    if feats.get("attention_bias"):
+        dcfg["attention_bias"] = True
+    dc = DFlashConfig.from_dict(dcfg, source="vllm_check drafter")  # (weights' shapes only)
+    if feats.get("swa"):  # vLLM reads dflash_config.use_swa / swa_window_size
+        dcfg["dflash_config"].update(use_swa=True, swa_window_size=feats["swa"])
     bf = {k: v.to(torch.bfloat16) for k, v in random_state(tc, seed=0).items()}
     save_target(os.path.join(root, "target"), tcfg, bf)
     ds = {k: v.to(torch.bfloat16) for k, v in random_drafter_state(dc, seed=1).items()}
     save_zlab(os.path.join(root, "drafter"), dcfg, ds)
-    print(f"pair {width} in {root}: target {lt} layers H {h} vocab {vocab}, drafter {ld} layers")
+    print(f"pair {width}/{variant} in {root}: target {lt} layers H {h} vocab {vocab}, drafter "
+          f"{ld} layers")
 
 
 def _llm(root: str, eager: bool, dtype: str, max_num_seqs: int = 8, max_model_len: int = 4096,
@@ -273,6 +285,8 @@ def main(argv=None) -> int:
     p = sub.add_parser("make-pair")
     p.add_argument("root")
     p.add_argument("--width", choices=sorted(WIDTHS), default="tiny")
+    p.add_argument("--variant", choices=sorted(VARIANTS), default="plain",
+                   help="drafter features: plain, or bias-swa (qkv/o bias, a window of 64)")
     sub.add_parser("attention", help="the CUSTOM impl vs TRITON_ATTN's on one cache")
     for name in ("caches", "generate"):
         p = sub.add_parser(name)
@@ -290,7 +304,7 @@ def main(argv=None) -> int:
             p.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if args.cmd == "make-pair":
-        make_pair(args.root, args.width)
+        make_pair(args.root, args.width, args.variant)
         return 0
     if args.cmd == "attention":
         return check_attention(args)
