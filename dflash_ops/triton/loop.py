@@ -76,26 +76,21 @@ def _greedy_commit_kernel(block_ptr, post_ptr, rows_ptr, n_out_ptr, start_ptr, l
 
 
 @triton.jit
-def _row_chunk(p_row, q_row, kv, V, q_lim):
+def _row_chunk(p_row, q_row, qi_row, kv, V, q_lim, KQ, SPARSE: tl.constexpr, BK: tl.constexpr):
     """Entries kv of the row drawn from: (in range, p, max(p - q, 0)); q read where kv < q_lim
     (V, or 0 for none: an index bound, not a scalar bool in the mask, which some interpreter
-    versions reject)."""
+    versions reject). SPARSE: the q row is KQ values at the token ids qi_row (0 elsewhere),
+    matched against the chunk's ids."""
     inside = kv < V
     pv = tl.load(p_row + kv, mask=inside, other=0.0)
-    qv = tl.load(q_row + kv, mask=kv < q_lim, other=0.0)
-    return inside, pv, tl.maximum(pv - qv, 0.0)
-
-
-@triton.jit
-def _row_chunk_sparse(p_row, qv_row, qi_row, kv, V, q_lim, KQ, BK: tl.constexpr):
-    """``_row_chunk`` with a sparse q row: KQ values at token ids qi_row (the rest 0)."""
-    inside = kv < V
-    pv = tl.load(p_row + kv, mask=inside, other=0.0)
-    i = tl.arange(0, BK)
-    qi = tl.load(qi_row + i, mask=i < KQ, other=-1)
-    qv = tl.load(qv_row + i, mask=i < KQ, other=0.0)
-    hit = (qi[None, :] == kv[:, None]) & (kv < q_lim)[:, None]
-    qk = tl.sum(tl.where(hit, qv[None, :], 0.0), axis=1)
+    if SPARSE:
+        i = tl.arange(0, BK)
+        qi = tl.load(qi_row + i, mask=i < KQ, other=-1)
+        qv = tl.load(q_row + i, mask=i < KQ, other=0.0)
+        hit = (qi[None, :] == kv[:, None]) & (kv < q_lim)[:, None]
+        qk = tl.sum(tl.where(hit, qv[None, :], 0.0), axis=1)
+    else:
+        qk = tl.load(q_row + kv, mask=kv < q_lim, other=0.0)
     return inside, pv, tl.maximum(pv - qk, 0.0)
 
 
@@ -136,10 +131,7 @@ def _sample_commit_kernel(block_ptr, p_ptr, q_ptr, qi_ptr, u_ptr, ures_ptr, rows
     qi_row = qi_ptr + r * sq_r + tl.minimum(match, B - 2) * sq_j
     for v0 in range(0, V, BV):
         kv = v0 + k
-        if SPARSE:
-            inside, pv, rv = _row_chunk_sparse(p_row, q_row, qi_row, kv, V, q_lim, KQ, BK)
-        else:
-            inside, pv, rv = _row_chunk(p_row, q_row, kv, V, q_lim)
+        inside, pv, rv = _row_chunk(p_row, q_row, qi_row, kv, V, q_lim, KQ, SPARSE, BK)
         mass += tl.sum(rv, axis=0)
         pmass += tl.sum(pv, axis=0)
         last_r = tl.maximum(last_r, tl.max(tl.where(rv > 0, kv, 0), axis=0))
@@ -152,10 +144,7 @@ def _sample_commit_kernel(block_ptr, p_ptr, q_ptr, qi_ptr, u_ptr, ures_ptr, rows
     run = 0.0
     for v0 in range(0, V, BV):
         kv = v0 + k
-        if SPARSE:
-            inside, pv, rv = _row_chunk_sparse(p_row, q_row, qi_row, kv, V, q_lim, KQ, BK)
-        else:
-            inside, pv, rv = _row_chunk(p_row, q_row, kv, V, q_lim)
+        inside, pv, rv = _row_chunk(p_row, q_row, qi_row, kv, V, q_lim, KQ, SPARSE, BK)
         dv = tl.where(use_r, rv, pv)
         cdf = run + tl.cumsum(dv, axis=0)
         hit = (dv > 0.0) & (cdf > target) & inside
