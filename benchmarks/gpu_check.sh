@@ -138,6 +138,11 @@ if [ "$what" = vllm-bench ]; then
     [ $r -ne 0 ] && grep -E "Error|Traceback" "$OUT/vllm_bench_$v.log" | tail -5
   done
   python3 benchmarks/bench_vllm.py table "$OUT/vllm_bench.jsonl" --md "$OUT/vllm_bench.md"
+  if [ -n "${VLLM_ATTN:-}" ]; then  # also the CUSTOM vs TRITON_ATTN impl check (no engine)
+    timeout 90 python3 benchmarks/vllm_check.py attention >"$OUT/vllm_attention.log" 2>&1
+    r=$?; [ $r -ne 0 ] && rc=$r
+    echo "attention CUSTOM vs TRITON_ATTN (rc $r): $(grep '"summary"' "$OUT/vllm_attention.log")"
+  fi
 fi
 if [ "$what" = dflash2 ]; then  # DFlash 2's ops against their floors (bench_dflash2.py)
   timeout 300 python3 benchmarks/bench_dflash2.py ${BENCH_ARGS:-} --out "$OUT/results" 2>&1 \

@@ -229,13 +229,15 @@ def check_attention(args) -> int:
     metadata (no engine): random bf16 / fp32 inputs, non-causal / causal, windows, sinks, GQA,
     several requests of different lengths and padded query rows. Prints one line per case;
     exit 1 when a case is out of tolerance."""
+    import contextlib
     import types
     import torch
     from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+    from dflash_ops.dispatch import use_backend
     from dflash_ops.integrations.vllm.attention import DFlashOpsAttentionImpl
 
     torch.manual_seed(0)
-    dev, nb, bs, hkv, d, hq = "cuda", 64, 16, 4, 128, 16
+    dev, nb, bs, hkv, d, hq = "cuda", 96, 16, 4, 128, 16
     seq_lens = torch.tensor([40, 7, 300, 129], dtype=torch.int32, device=dev)
     q_lens = [16, 5, 16, 1]
     qsl = torch.tensor([0, 16, 21, 37, 38], dtype=torch.int32, device=dev)
@@ -264,17 +266,27 @@ def check_attention(args) -> int:
                                           _v_scale=torch.ones(1, device=dev), _q_scale=None)
             query = torch.randn(n + pad, hq, d, dtype=dtype, device=dev)
             outs = []
-            for cls in (TritonAttentionImpl, DFlashOpsAttentionImpl):
+            for cls, ref in ((TritonAttentionImpl, False), (DFlashOpsAttentionImpl, False),
+                             (DFlashOpsAttentionImpl, True)):
                 out = torch.zeros(n + pad, hq * d, dtype=dtype, device=dev)
-                cls(**kw).forward(layer, query, None, None, cache, meta, out.view(n + pad, hq, d))
+                with use_backend("torch") if ref else contextlib.nullcontext():
+                    cls(**kw).forward(layer, query, None, None, cache, meta,
+                                      out.view(n + pad, hq, d))
                 outs.append(out)
             torch.cuda.synchronize()
+            # TRITON_ATTN's fp32 dots run in TF32 (Triton's default input precision), so in fp32
+            # it is held to TF32's bound; ours is held to fp32's against our torch reference.
+            tf32 = dtype == torch.float32
             err = (outs[0].float() - outs[1].float()).abs().max().item()
-            tol = 2e-2 if dtype == torch.bfloat16 else 1e-3
-            good = err <= tol and bool((outs[1][n:] == 0).all())
+            err_ref = (outs[2].float() - outs[1].float()).abs().max().item()
+            tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+            tol_ref = 2e-2 if dtype == torch.bfloat16 else 1e-4
+            good = err <= tol and err_ref <= tol_ref and bool((outs[1][n:] == 0).all())
             ok &= good
             print(json.dumps({"dtype": str(dtype), "causal": causal, "window": window,
-                              "sinks": sinks, "max_err": err, "ok": good}), flush=True)
+                              "sinks": sinks, "max_err_vs_triton_attn": err,
+                              "max_err_vs_torch_ref": err_ref, "tf32_side": tf32,
+                              "ok": good}), flush=True)
     print(json.dumps({"summary": "attention", "all_ok": ok}), flush=True)
     return 0 if ok else 1
 
