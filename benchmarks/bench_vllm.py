@@ -15,7 +15,9 @@ comes from CUDA events around ``precompute_and_store_context_kv`` (it runs eager
   python benchmarks/vllm_check.py make-pair /tmp/pair8b --width 8b
   python benchmarks/bench_vllm.py run /tmp/pair8b --variant stock --out R.jsonl [--batch 1,8]
       [--context 1024,8192] [--new 64]
-  python benchmarks/bench_vllm.py table R.jsonl [--md OUT.md]
+  python benchmarks/bench_vllm.py table R.jsonl [--md OUT.md] [--parts]
+  (run --profile P: the kernels of P more decode tokens under torch.profiler, minus a 1-token
+  run's, per iteration; table --parts sums them by part and subtracts plain's)
 """
 from __future__ import annotations
 
@@ -75,6 +77,33 @@ def _drafts(llm) -> int:
     return 0
 
 
+PARTS = (  # kernel-name patterns, first match wins: the profile's parts (table --parts)
+    ("norm/rope/kv", ("norm", "rotary", "rope", "cache", "store_kv", "context_kv", "kv_epi")),
+    ("attention", ("attention", "attn", "flash", "fmha")),
+    ("gemm", ("gemm", "cutlass", "nvjet", "cublas", "xmma", "sm90_", "matmul", "_mm_")),
+)
+
+
+def part_of(name: str) -> str:
+    low = name.lower()
+    for part, keys in PARTS:
+        if any(k in low for k in keys):
+            return part
+    return "other"
+
+
+def _kernel_us(prof) -> dict:
+    """Per kernel name, its total GPU time (us) in a torch.profiler run."""
+    out = {}
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = getattr(e, "self_cuda_time_total", 0)
+        if t > 0:
+            out[e.key] = out.get(e.key, 0.0) + float(t)
+    return out
+
+
 def run(args) -> int:
     import torch
     from vllm import SamplingParams
@@ -117,6 +146,19 @@ def run(args) -> int:
                 new = sum(len(o.outputs[0].token_ids) for o in outs) / b - 1
                 iters = drafts / b if args.variant != "plain" else new
                 dec = max(t_all - t_pre, 0.0)
+                kernels = None
+                if args.profile:  # decode's kernels an iteration: (1 + P tokens) - (1 token)
+                    from torch.profiler import ProfilerActivity, profile
+                    runs = []
+                    for n in (1, 1 + args.profile):
+                        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                            _, d, o = gen(b, s, n)
+                        runs.append((_kernel_us(prof), d, o))
+                    (k1, _, _), (kn, d, o) = runs
+                    it = d / b if args.variant != "plain" else \
+                        sum(len(x.outputs[0].token_ids) for x in o) / b - 1
+                    kernels = {k: round((v - k1.get(k, 0.0)) / max(it, 1), 3)
+                               for k, v in kn.items() if v - k1.get(k, 0.0) > 0}
                 rec = {"variant": args.variant, "batch": b, "context": s, "new": args.new,
                        "decode_s": round(dec, 4), "iterations": iters,
                        "ms_per_iter": round(1e3 * dec / max(iters, 1), 3),
@@ -125,6 +167,7 @@ def run(args) -> int:
                        "precompute_ms_mean": round(sum(pre_ms) / len(pre_ms), 4)
                        if pre_ms else None,
                        "engine_start_s": round(start_s, 1), "dtype": args.dtype,
+                       "kernels_us_per_iter": kernels,
                        "commit": os.environ.get("DFLASH_OPS_COMMIT", "")}
                 out.write(json.dumps(rec) + "\n")
                 out.flush()
@@ -152,6 +195,29 @@ def table(args) -> int:
         pre = [by.get((v, b, s), {}).get("precompute_ms_mean") for v in VARIANTS[1:]]
         cells.append(" / ".join(f"{p:.3f}" if p is not None else "-" for p in pre))
         lines.append("| " + " | ".join(cells) + " |")
+    if args.parts and any(r.get("kernels_us_per_iter") for r in rows):  # each variant's GPU time an iteration by part, and its excess over plain
+        names = ["attention", "gemm", "norm/rope/kv", "other"]
+        lines += ["", "GPU time an iteration by part, us (torch profiler; over plain in "
+                  "parentheses: the drafter's share)", "",
+                  "| B x S | variant | " + " | ".join(names) + " | total |",
+                  "|---|---|" + "---|" * (len(names) + 1)]
+        for b, s in keys:
+            sums = {}
+            for v in VARIANTS:
+                k = by.get((v, b, s), {}).get("kernels_us_per_iter")
+                if k:
+                    sums[v] = {p: 0.0 for p in names}
+                    for name, us in k.items():
+                        sums[v][part_of(name)] += us
+            for v, parts in sums.items():
+                base = sums.get("plain")
+                cells = []
+                for p in names + ["total"]:
+                    val = sum(parts.values()) if p == "total" else parts[p]
+                    ref = (sum(base.values()) if p == "total" else base[p]) if base else None
+                    cells.append(f"{val:.1f}" + (f" (+{val - ref:.1f})" if ref is not None
+                                                 and v != "plain" else ""))
+                lines.append(f"| {b} x {s} | {v} | " + " | ".join(cells) + " |")
     text = "\n".join(lines)
     print(text)
     if args.md:
@@ -171,10 +237,16 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--budget-s", type=float, default=480)
+    p.add_argument("--profile", type=int, default=0, metavar="P",
+                   help="also profile P decode tokens a case (torch.profiler): each kernel's "
+                        "GPU time an iteration in the record")
     p.add_argument("--out", required=True)
     p = sub.add_parser("table")
     p.add_argument("results")
     p.add_argument("--md")
+    p.add_argument("--parts", action="store_true",
+                   help="add the profiled GPU time by part (attention, GEMM, norm/rope/KV, "
+                        "other) and each variant's excess over plain")
     args = ap.parse_args(argv)
     return run(args) if args.cmd == "run" else table(args)
 

@@ -2,7 +2,7 @@
 # The one script run on the H200 (device tool): install (builds dflash_ops._C), info, check, the
 # GPU tests, the benchmarks. Logs and result tables go under $OUT (at most 8 files come back:
 # more are packed into $OUT/all.tgz at the end).
-# Usage: bash benchmarks/gpu_check.sh [build|tests|sanitize|vllm|vllm-bench|dflash2|bench|ctx|attn|linear|drafter|e2e|models|compare|profile|cmake|all]
+# Usage: bash benchmarks/gpu_check.sh [build|tests|sanitize|vllm|vllm-counter|vllm-bench|dflash2|bench|ctx|attn|linear|drafter|e2e|models|compare|profile|cmake|all]
 #   all:     tests + bench + ctx; build: install, info and check only
 #   sanitize: the hostile-value GPU tests (tests/test_hostile_inputs.py,
 #            tests/test_out_of_range_inputs.py) under compute-sanitizer memcheck and racecheck
@@ -13,8 +13,12 @@
 #            (runner:eager|graphs[:draft backend, TRITON_ATTN or CUSTOM]),
 #            then stock vs plugin greedy outputs (generate; VLLM_GEN_SIDES) while VLLM_BUDGET_S
 #            lasts; VLLM_VARIANT=bias-swa: a drafter with qkv/o bias and a window of 64
+#   vllm-counter: stock vs plugin + CUSTOM end to end on the counter pair (drafts accepted),
+#            fp32 (outputs and accepted counts equal) and bf16 (acceptance rates within 1%)
+#            (VLLM_DTYPES, VLLM_GEN_SIDES: stock plugin custom)
 #   vllm-bench: benchmarks/bench_vllm.py on the 8B-width pair, one process per variant
-#            (VLLM_VARIANTS, default plain stock plugin custom; BENCH_ARGS for --batch/--context)
+#            (VLLM_VARIANTS, default plain stock plugin custom; BENCH_ARGS for --batch/--context,
+#            --profile P for the kernel breakdown by part)
 #   attn:    the attention suite (BENCH_ARGS: --quick, --cases, --tables, --no-flex)
 #   models:  bench_drafter (DRAFTER_ARGS, default --no-ref), bench_e2e (E2E_ARGS, default --quick)
 #            and profile_step (PROFILE_ARGS) in one call
@@ -110,18 +114,36 @@ if [ "$what" = vllm ]; then
   done
   for side in plugin custom; do
     [ -f "$OUT/vllm_gen_stock.json" ] && [ -f "$OUT/vllm_gen_$side.json" ] || continue
-    python3 - "$OUT/vllm_gen_stock.json" "$OUT/vllm_gen_$side.json" "$side" <<'PY'
-import json, sys
-a, b = (json.load(open(p)) for p in sys.argv[1:3])
-same = sum(x == y for x, y in zip(a["outputs"], b["outputs"]))
-acc = [d["metrics"].get("vllm:spec_decode_num_accepted_tokens") for d in (a, b)]
-rows = list(zip(a["drafts"], b["drafts"]))  # one entry per drafter call: its rows' argmax
-tok = [(u, v) for x, y in rows for u, v in zip(x, y)]
-print(f"generate: {same} of {len(a['outputs'])} requests equal (stock vs {sys.argv[3]}, "
-      f"{a['dtype']}); accepted tokens {acc[0]} vs {acc[1]}; drafts: "
-      f"{sum(x == y for x, y in rows)} of {len(rows)} drafter calls, "
-      f"{sum(u == v for u, v in tok)} of {len(tok)} tokens equal")
-PY
+    echo "generate stock vs $side: $(python3 benchmarks/vllm_check.py compare \
+      "$OUT/vllm_gen_stock.json" "$OUT/vllm_gen_$side.json")"
+  done
+fi
+if [ "$what" = vllm-counter ]; then  # end to end on a pair whose drafts are accepted
+  # shellcheck disable=SC1091
+  . .vllm/install_on_gpu.sh .vllm/vllm-bundle.tar.xz > "$OUT/vllm_install.log" 2>&1 \
+    || { tail -20 "$OUT/vllm_install.log"; exit 1; }
+  pair=/tmp/vllm-pair-counter
+  python3 benchmarks/vllm_check.py make-pair $pair --variant counter
+  for dtype in ${VLLM_DTYPES:-float32 bfloat16}; do
+    for side in ${VLLM_GEN_SIDES:-stock custom}; do
+      en=1; [ $side = stock ] && en=0
+      be=TRITON_ATTN; [ $side = custom ] && be=CUSTOM
+      f="$OUT/vllm_counter_${dtype}_$side"
+      DFLASH_OPS_VLLM=$en timeout "${VLLM_TIMEOUT:-240}" python3 benchmarks/vllm_check.py \
+        generate $pair --dtype $dtype --draft-backend $be --out "$f.json" >"$f.log" 2>&1
+      r=$?; [ $r -ne 0 ] && rc=$r
+      echo "counter $dtype $side (rc $r): $(( $(date +%s) - t0 )) s"
+      [ $r -ne 0 ] && grep -E "Error|Traceback" "$f.log" | tail -5
+    done
+    for side in ${VLLM_GEN_SIDES:-stock custom}; do
+      [ $side = stock ] && continue
+      a="$OUT/vllm_counter_${dtype}_stock.json"; b="$OUT/vllm_counter_${dtype}_$side.json"
+      [ -f "$a" ] && [ -f "$b" ] || continue
+      how="--exact"; [ $dtype = bfloat16 ] && how="--rate-tol 0.01"
+      # shellcheck disable=SC2086
+      res=$(python3 benchmarks/vllm_check.py compare "$a" "$b" $how --min-rate 0.5); r=$?
+      echo "counter $dtype stock vs $side (rc $r): $res"; [ $r -ne 0 ] && rc=1
+    done
   done
 fi
 if [ "$what" = vllm-bench ]; then
@@ -137,7 +159,7 @@ if [ "$what" = vllm-bench ]; then
     echo "bench $v (rc $r): $(( $(date +%s) - t0 )) s"
     [ $r -ne 0 ] && grep -E "Error|Traceback" "$OUT/vllm_bench_$v.log" | tail -5
   done
-  python3 benchmarks/bench_vllm.py table "$OUT/vllm_bench.jsonl" --md "$OUT/vllm_bench.md"
+  python3 benchmarks/bench_vllm.py table "$OUT/vllm_bench.jsonl" --md "$OUT/vllm_bench.md" --parts
   if [ -n "${VLLM_ATTN:-}" ]; then  # also the CUSTOM vs TRITON_ATTN impl check (no engine)
     timeout 90 python3 benchmarks/vllm_check.py attention >"$OUT/vllm_attention.log" 2>&1
     r=$?; [ $r -ne 0 ] && rc=$r

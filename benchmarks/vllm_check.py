@@ -16,6 +16,10 @@ One engine per process (vLLM's own rule of thumb); the engine core runs in this 
   python benchmarks/vllm_check.py generate DIR [--eager] [--draft-backend CUSTOM] --out FILE.json
       greedy outputs and vLLM's speculative-decoding counters (DFLASH_OPS_VLLM=0: stock vLLM;
       --draft-backend CUSTOM: the plugin's draft attention backend)
+  python benchmarks/vllm_check.py compare STOCK.json OURS.json [--exact] [--rate-tol F]
+      two generate results: outputs equal, accepted tokens, acceptance rates, drafts
+  make-pair --variant counter: models.synthetic.counter_pair (drafts accepted; its prompts are
+      counting sequences), for the end-to-end equality of outputs and accepted counts
 """
 from __future__ import annotations
 
@@ -38,12 +42,27 @@ BLOCK = 16  # drafter block: 15 speculative tokens
 VARIANTS = {  # drafter attention features beyond the plain pair, for the caches / attention checks
     "plain": {},
     "bias-swa": {"attention_bias": True, "swa": 64},  # qkv/o bias; non-causal window of 64
+    "counter": {},  # models.synthetic.counter_pair: drafts accepted (the width is its own)
 }
 
 
 def make_pair(root: str, width: str, variant: str = "plain") -> None:
     import torch
     from dflash_ops.models import save_target, save_zlab
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, "pair.json"), "w") as f:
+        json.dump({"width": width, "variant": variant}, f)
+    if variant == "counter":
+        from dflash_ops.models.synthetic import counter_pair
+        tcfg, ts, dcfg, ds = counter_pair(block_size=BLOCK)
+        save_target(os.path.join(root, "target"), tcfg,
+                    {k: v.to(torch.bfloat16) for k, v in ts.items()})
+        save_zlab(os.path.join(root, "drafter"), dcfg,
+                  {k: v.to(torch.bfloat16) for k, v in ds.items()})
+        print(f"pair counter in {root}: target {tcfg['num_hidden_layers']} layers H "
+              f"{tcfg['hidden_size']} vocab {tcfg['vocab_size']} (next = token + 1), drafter "
+              f"{dcfg['num_hidden_layers']} layers copying from {tcfg['vocab_size'] + 1} back")
+        return
     from dflash_ops.models.config import DFlashConfig
     from dflash_ops.models.drafter import random_drafter_state
     from dflash_ops.models.target import TargetConfig, random_state
@@ -96,6 +115,10 @@ def _prompts(root: str, n: int = 4, lens=(37, 300, 5, 129)):
     import torch
     with open(os.path.join(root, "target", "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
+    meta = os.path.join(root, "pair.json")
+    if os.path.exists(meta) and json.load(open(meta)).get("variant") == "counter":
+        from dflash_ops.models.synthetic import counter_prompts  # counting sequences > vocab
+        return [{"prompt_token_ids": p} for p in counter_prompts(n, vocab=vocab, seed=5)]
     g = torch.Generator().manual_seed(5)
     return [{"prompt_token_ids": torch.randint(2, vocab - 2, (lens[i % len(lens)],),
                                                generator=g).tolist()} for i in range(n)]
@@ -291,6 +314,40 @@ def check_attention(args) -> int:
     return 0 if ok else 1
 
 
+def compare(args) -> int:
+    """Two generate results (stock first): equal outputs, accepted-token counts, acceptance rate
+    (accepted / drafted tokens), drafts. --exact: outputs and accepted counts must be equal
+    (fp32); --rate-tol: the acceptance rates within that fraction of stock's (bf16). Exit 1 on a
+    miss."""
+    a, b = (json.load(open(p)) for p in (args.a, args.b))
+    same = sum(x == y for x, y in zip(a["outputs"], b["outputs"]))
+
+    def counts(r):
+        m = r["metrics"]
+        acc, drafted = (m.get(f"vllm:spec_decode_num_{n}_tokens") for n in ("accepted", "draft"))
+        return acc, drafted, (acc / drafted if acc is not None and drafted else None)
+
+    (acc_a, dr_a, rate_a), (acc_b, dr_b, rate_b) = counts(a), counts(b)
+    rows = list(zip(a.get("drafts", []), b.get("drafts", [])))  # a drafter call's argmax rows
+    tok = [(u, v) for x, y in rows for u, v in zip(x, y)]
+    res = {"summary": "compare", "dtype": a["dtype"], "sides": [args.a, args.b],
+           "outputs_equal": f"{same} of {len(a['outputs'])}",
+           "accepted": [acc_a, acc_b], "drafted": [dr_a, dr_b], "rate": [rate_a, rate_b],
+           "draft_calls_equal": f"{sum(x == y for x, y in rows)} of {len(rows)}",
+           "draft_tokens_equal": f"{sum(u == v for u, v in tok)} of {len(tok)}"}
+    ok = True
+    if args.exact:
+        ok = same == len(a["outputs"]) and acc_a == acc_b
+    if args.rate_tol is not None:
+        ok = ok and rate_a is not None and rate_b is not None \
+            and abs(rate_b - rate_a) <= args.rate_tol * rate_a
+    if args.min_rate is not None:
+        ok = ok and rate_a is not None and min(rate_a, rate_b) >= args.min_rate
+    res["ok"] = ok
+    print(json.dumps(res), flush=True)
+    return 0 if ok else 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -298,7 +355,8 @@ def main(argv=None) -> int:
     p.add_argument("root")
     p.add_argument("--width", choices=sorted(WIDTHS), default="tiny")
     p.add_argument("--variant", choices=sorted(VARIANTS), default="plain",
-                   help="drafter features: plain, or bias-swa (qkv/o bias, a window of 64)")
+                   help="drafter features: plain, bias-swa (qkv/o bias, a window of 64), or "
+                        "counter (a pair whose drafts are accepted)")
     sub.add_parser("attention", help="the CUSTOM impl vs TRITON_ATTN's on one cache")
     for name in ("caches", "generate"):
         p = sub.add_parser(name)
@@ -314,7 +372,15 @@ def main(argv=None) -> int:
                                 "ulps; vLLM rotates with a bf16 table, we with fp32)")
         else:
             p.add_argument("--out", required=True)
+    p = sub.add_parser("compare", help="two generate results: outputs, acceptance, drafts")
+    p.add_argument("a", help="the stock side's generate JSON")
+    p.add_argument("b")
+    p.add_argument("--exact", action="store_true", help="outputs and accepted counts equal")
+    p.add_argument("--rate-tol", type=float, help="acceptance rates within this fraction")
+    p.add_argument("--min-rate", type=float, help="both acceptance rates at least this")
     args = ap.parse_args(argv)
+    if args.cmd == "compare":
+        return compare(args)
     if args.cmd == "make-pair":
         make_pair(args.root, args.width, args.variant)
         return 0

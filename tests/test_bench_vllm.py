@@ -25,3 +25,53 @@ def test_table_gives_each_variants_added_time_over_plain(tmp_path):
                         "0.300 / 0.050 / - |")
     assert lines[3] == "| 8 x 8192 | - | 9.000 | - | - | 1.000 / - / - |"
     assert md.read_text().strip() == out.stdout.strip()
+
+
+def _gen(path, outputs, accepted, drafted, drafts=((1, 2),)):
+    path.write_text(json.dumps({"dtype": "float32", "outputs": outputs, "drafts": drafts,
+                                "metrics": {"vllm:spec_decode_num_accepted_tokens": accepted,
+                                            "vllm:spec_decode_num_draft_tokens": drafted}}))
+    return str(path)
+
+
+def _compare(*args):
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vllm_check.py"), "compare",
+                          *args], capture_output=True, text=True)
+    return out.returncode, json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_vllm_check_compare_exact_and_rate(tmp_path):
+    """vllm_check compare (gpu_check.sh vllm-counter's gate): --exact fails on one differing
+    output or accepted count; --rate-tol compares acceptance rates; --min-rate fails a pair
+    whose drafts are not accepted."""
+    a = _gen(tmp_path / "a.json", [[1, 2], [3]], 300, 320)
+    same = _gen(tmp_path / "b.json", [[1, 2], [3]], 300, 320)
+    other = _gen(tmp_path / "c.json", [[1, 2], [4]], 300, 320)
+    fewer = _gen(tmp_path / "d.json", [[1, 2], [3]], 290, 320)
+    rc, res = _compare(a, same, "--exact")
+    assert rc == 0 and res["outputs_equal"] == "2 of 2" and res["rate"] == [0.9375, 0.9375]
+    rc, res = _compare(a, other, "--exact")
+    assert rc == 1 and res["outputs_equal"] == "1 of 2"
+    assert _compare(a, fewer, "--exact")[0] == 1
+    assert _compare(a, fewer, "--rate-tol", "0.05")[0] == 0  # 3.3% lower
+    assert _compare(a, fewer, "--rate-tol", "0.01")[0] == 1
+    assert _compare(a, same, "--min-rate", "0.95")[0] == 1
+
+
+def test_table_parts_sum_profiled_kernels_and_subtract_plain(tmp_path):
+    k_plain = {"kernel_unified_attention_2d": 100.0, "nvjet_tst_128x64": 2000.0,
+               "rms_norm_kernel": 50.0, "triton_poi_fused_add_0": 30.0}
+    k_stock = dict(k_plain, kernel_unified_attention_2d=400.0, rotary_embedding_kernel=20.0,
+                   reshape_and_cache_flash_kernel=10.0, nvjet_tst_128x64=2600.0)
+    rows = [dict(variant="plain", batch=1, context=1024, ms_per_iter=2.5,
+                 precompute_ms_mean=None, kernels_us_per_iter=k_plain),
+            dict(variant="stock", batch=1, context=1024, ms_per_iter=4.0,
+                 precompute_ms_mean=0.3, kernels_us_per_iter=k_stock)]
+    res = tmp_path / "r.jsonl"
+    res.write_text("\n".join(json.dumps(r) for r in rows))
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_vllm.py"), "table",
+                          str(res), "--parts"], capture_output=True, text=True, check=True)
+    lines = out.stdout.strip().splitlines()
+    assert "| 1 x 1024 | plain | 100.0 | 2000.0 | 50.0 | 30.0 | 2180.0 |" in lines
+    assert ("| 1 x 1024 | stock | 400.0 (+300.0) | 2600.0 (+600.0) | 80.0 (+30.0) | "
+            "30.0 (+0.0) | 3110.0 (+930.0) |") in lines
