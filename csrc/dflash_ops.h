@@ -137,4 +137,14 @@ void block_attention_out_(const at::Tensor& q, const at::Tensor& k_cache,
                           double scale, bool causal, int64_t window,
                           const std::optional<at::Tensor>& sinks, at::Tensor& out);
 
+// grouped_dyn_conv(Tensor x, Tensor dynamic, Tensor base, int group_size, int block_size)
+//   -> Tensor
+//   x: [T, H] bf16/fp16/fp32, unit stride in H, T whole blocks of block_size rows; dynamic
+//   [T, K, H / group_size] (unit stride in its last dim), base [K, H] (unit stride in H), both
+//   of x's dtype. Returns a new contiguous [T, H]: y[t, c] = sum over o < K with
+//   t % block_size >= o of (base[o, c] + dynamic[t, o, c / group_size]) * x[t - o, c], fp32
+//   math, one rounding. DFlash 2's convolution along each block's rows.
+at::Tensor grouped_dyn_conv(const at::Tensor& x, const at::Tensor& dynamic,
+                            const at::Tensor& base, int64_t group_size, int64_t block_size);
+
 }  // namespace dflash_ops

@@ -18,10 +18,11 @@ from dflash_ops import dispatch
 from dflash_ops.ops.conv import grouped_dyn_conv, grouped_dyn_conv_ref
 
 
-def case(r, b, h, k, gs, dtype=torch.float32, strided=False, seed=0, device="cpu"):
+def case(r, b, h, k, gs, dtype=torch.float32, strided=False, seed=0, device="cpu", pad=0):
+    """``pad``: x is a [T, h] slice of a [T, h + pad] tensor (a row stride past H)."""
     g = torch.Generator().manual_seed(seed)
     groups = h // gs
-    x = torch.randn(r * b, h, generator=g)
+    x = torch.randn(r * b, h + pad, generator=g)[:, :h]
     if strided:
         dyn = (torch.randn(r * b, 2, k, groups, generator=g) * 0.5)[:, 0]
     else:
@@ -73,29 +74,32 @@ def test_no_tap_crosses_a_block_boundary():
     assert torch.equal(y0[4:], y1[4:]) and not torch.equal(y0[:4], y1[:4])
 
 
-GRID = [(r, b, h, k, gs, strided) for r, b, h, k, gs, strided in (
-    (3, 16, 64, 2, 16, False), (2, 5, 48, 3, 8, True), (4, 1, 32, 2, 32, False),
-    (2, 3, 32, 4, 4, True), (1, 8, 320, 2, 16, True), (5, 2, 24, 1, 24, False))]
+# (r, b, h, k, gs, strided dynamic, x row padding): the CUDA kernel's paths too: 16-byte
+# vectors whose channels share one group, vectors spanning groups (gs 4), single elements
+# (h 20: no 16-byte vectors in bf16 / fp16; a padded row stride), several row chunks (T > 8)
+GRID = [(3, 16, 64, 2, 16, False, 0), (2, 5, 48, 3, 8, True, 0), (4, 1, 32, 2, 32, False, 0),
+        (2, 3, 32, 4, 4, True, 0), (1, 8, 320, 2, 16, True, 0), (5, 2, 24, 1, 24, False, 0),
+        (3, 4, 20, 2, 4, True, 0), (2, 8, 64, 3, 16, False, 8), (2, 6, 40, 2, 8, False, 3)]
 
 
-def check_triton(device, dtypes):
+def check_backend(device, dtypes, backend="triton"):
     for dtype in dtypes:
-        for r, b, h, k, gs, strided in GRID:
+        for r, b, h, k, gs, strided, pad in GRID:
             kw = case(r, b, h, k, gs, dtype=dtype, strided=strided, seed=r + b + k,
-                      device=device)
+                      device=device, pad=pad)
             want = grouped_dyn_conv_ref(**kw)
-            with dispatch.use_backend("triton", ops=("grouped_dyn_conv",)):
+            with dispatch.use_backend(backend, ops=("grouped_dyn_conv",)):
                 got = grouped_dyn_conv(**kw)
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol,
-                                       msg=lambda m: f"{dtype} {(r, b, h, k, gs)}: {m}")
+                                       msg=lambda m: f"{backend} {dtype} {(r, b, h, k, gs)}: {m}")
             assert got.is_contiguous() and got.dtype == dtype
 
 
 _SCRIPT = r"""
 import torch
 import tests.test_conv_kernels as t
-t.check_triton("cpu", (torch.float32, torch.float16))
+t.check_backend("cpu", (torch.float32, torch.float16))
 print("interp-ok")
 """
 
@@ -105,20 +109,25 @@ def test_triton_kernel_under_interpreter():
 
 
 @pytest.mark.gpu
-def test_triton_kernel_gpu():
-    check_triton("cuda", (torch.bfloat16, torch.float16, torch.float32))
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_kernels_gpu(backend):
+    if not dispatch.has_backend("grouped_dyn_conv", backend):
+        pytest.fail(f"no {backend} kernel for grouped_dyn_conv (is dflash_ops._C built?)")
+    check_backend("cuda", (torch.bfloat16, torch.float16, torch.float32), backend)
 
 
 @pytest.mark.gpu
-def test_graph_replay_gpu():
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_graph_replay_gpu(backend):
     """Captured once in a CUDA graph, replayed on new inputs copied into the same buffers."""
     kw = case(3, 8, 64, 2, 16, dtype=torch.bfloat16, device="cuda", strided=True)
     static = {k: (v.clone() if isinstance(v, torch.Tensor) and k != "dynamic" else v)
               for k, v in kw.items()}
-    grouped_dyn_conv(**static)  # warm-up: compile before capture
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = grouped_dyn_conv(**static)
+    with dispatch.use_backend(backend, ops=("grouped_dyn_conv",)):
+        grouped_dyn_conv(**static)  # warm-up: compile before capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = grouped_dyn_conv(**static)
     for seed in (1, 2):
         new = case(3, 8, 64, 2, 16, dtype=torch.bfloat16, device="cuda", seed=seed)
         static["x"].copy_(new["x"])

@@ -1,7 +1,7 @@
 """``dflash-ops bench dflash2``: DFlash 2's two ops at Qwen3.8-27B-DFlash2 shapes (bf16).
 
 * ``grouped_dyn_conv`` on x [T, 5120], K 2, group size 16 (G 320), the dynamic taps a strided
-  half of the [T, 2, 2, 320] projection, blocks of 8 rows: our kernel (default backend) vs the
+  half of the [T, 2, 2, 320] projection, blocks of 8 rows: our kernels (Triton, CUDA) vs the
   ``dflash`` package's convolution run eagerly (its per-tap bf16 products) vs the floor (x,
   dynamic and y once, over this run's copy bandwidth), T 64 .. 16384 (batch x 8 rows).
 * ``select_candidates``: R requests x 7 rows, k 16, rank 256, V 248320 codebooks (the gathered
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import dispatch
 from .harness import Results, floor_us, measure_floors, rotating, time_fn
 
 H, K, GS, BLOCK = 5120, 2, 16, 8
@@ -46,12 +47,16 @@ def _conv(res: Results, ts, timing) -> None:
         moved = t * H * 2 * 2 + t * K * g * 2 + K * H * 2  # x, y, dynamic, base
         sets = rotating(make, moved)
         x, dyn, base = sets[0]
-        err = (grouped_dyn_conv(x, dyn, base, GS, BLOCK).float()
-               - grouped_dyn_conv_ref(x, dyn, base, GS, BLOCK).float()).abs().max().item()
         fl = floor_us(res.floors, moved)
-        res.add_time(table, str(t), "ours", time_fn(
-            lambda x, d, b: grouped_dyn_conv(x, d, b, GS, BLOCK), rotate=sets, graph=True,
-            **timing), bytes_moved=moved, floor=fl, x=t, err=err)
+        want = grouped_dyn_conv_ref(x, dyn, base, GS, BLOCK).float()
+        for backend in ("triton", "cuda"):
+            if not dispatch.has_backend("grouped_dyn_conv", backend):
+                continue
+            with dispatch.use_backend(backend, ops=("grouped_dyn_conv",)):
+                err = (grouped_dyn_conv(x, dyn, base, GS, BLOCK).float() - want).abs().max()
+                res.add_time(table, str(t), f"ours ({backend})", time_fn(
+                    lambda x, d, b: grouped_dyn_conv(x, d, b, GS, BLOCK), rotate=sets,
+                    graph=True, **timing), bytes_moved=moved, floor=fl, x=t, err=err.item())
         if ref_fn is not None:
             res.add_time(table, str(t), "dflash eager", time_fn(ref_fn, rotate=sets, graph=True,
                                                                 **timing),

@@ -1,11 +1,14 @@
-"""Triton kernel of ``grouped_dyn_conv`` (``ops/conv.py``).
+"""Triton kernels of ``grouped_dyn_conv`` (``ops/conv.py``).
 
-A program takes BLOCK_T rows x BLOCK_C channels: for each tap o < K (a constexpr: 2-4) it loads
-x's rows t - o (masked where t % B < o: no tap crosses into the previous block), the static taps
-base[o, c] and the dynamic taps dynamic[t, o, c // group_size] (one per group, broadcast over the
-group's channels), accumulates in fp32 and stores y once in x's dtype. The bytes are x (K reads,
-the later ones from L1/L2), dynamic and y: a streaming kernel. Grid (cdiv(T, BLOCK_T),
-cdiv(H, BLOCK_C)) from the shapes only: graph-capturable.
+For each tap o < K (a constexpr) a program loads x's rows t - o (masked where t % B < o: no tap
+crosses into the previous block), the static taps base[o, c] and the dynamic taps
+dynamic[t, o, c // group_size], accumulates in fp32 and stores y once in x's dtype. The bytes are
+x (K reads, the later ones from L1/L2), dynamic and y: a streaming kernel.
+- A power-of-two group size (4-256; DFlash 2's default is 16): a [16 rows, BLOCK_G groups,
+  group_size] tile (BLOCK_G * group_size <= 512 channels), the dynamic tap loaded once per
+  (row, group) and broadcast over the group's channels.
+- Any other group size: a [BLOCK_T, BLOCK_C] tile with the dynamic tap gathered per channel.
+Grids from the shapes only: graph-capturable.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from .. import dispatch
 @triton.jit
 def _conv_kernel(x_ptr, d_ptr, b_ptr, y_ptr, T, H, B, GS, sx, sd_t, sd_k, sb,
                  K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    # any group size: the dynamic tap is gathered per channel
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     in_t = t < T
@@ -37,18 +41,55 @@ def _conv_kernel(x_ptr, d_ptr, b_ptr, y_ptr, T, H, B, GS, sx, sd_t, sd_k, sb,
     tl.store(y_ptr + t[:, None] * H + c[None, :], acc.to(y_ptr.dtype.element_ty), mask=mo)
 
 
+@triton.jit
+def _conv_groups_kernel(x_ptr, d_ptr, b_ptr, y_ptr, T, H, B, G, sx, sd_t, sd_k, sb,
+                        K: tl.constexpr, GS: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_G: tl.constexpr):
+    # a power-of-two group size: a [BLOCK_T, BLOCK_G, GS] tile, one dynamic load per group
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    gi = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    j = tl.arange(0, GS)
+    in_t = t < T
+    in_g = gi < G
+    pos = t % B
+    c = gi[:, None] * GS + j[None, :]                       # [BLOCK_G, GS]
+    in_c = in_g[:, None] & (j[None, :] < GS)
+    acc = tl.zeros((BLOCK_T, BLOCK_G, GS), dtype=tl.float32)
+    for o in tl.static_range(K):
+        ok = in_t & (pos >= o)
+        m2 = ok[:, None] & in_g[None, :]                     # [BLOCK_T, BLOCK_G]
+        m3 = m2[:, :, None] & in_c[None, :, :]
+        xv = tl.load(x_ptr + (t - o)[:, None, None] * sx + c[None, :, :], mask=m3, other=0.0)
+        bv = tl.load(b_ptr + o * sb + c, mask=in_c, other=0.0)
+        dv = tl.load(d_ptr + t[:, None] * sd_t + o * sd_k + gi[None, :], mask=m2, other=0.0)
+        w = bv.to(tl.float32)[None, :, :] + dv.to(tl.float32)[:, :, None]
+        acc += w * xv.to(tl.float32)
+    mo = in_t[:, None, None] & in_c[None, :, :]
+    tl.store(y_ptr + t[:, None, None] * H + c[None, :, :], acc.to(y_ptr.dtype.element_ty),
+             mask=mo)
+
+
 def grouped_dyn_conv(x, dynamic, base, group_size: int, block_size: int) -> torch.Tensor:
     t, h = x.shape
     y = torch.empty((t, h), dtype=x.dtype, device=x.device)
     if t == 0 or h == 0:
         return y
     k = base.shape[0]
+    args = (x, dynamic, base, y, t, h, block_size)
+    strides = (x.stride(0), dynamic.stride(0), dynamic.stride(1), base.stride(0))
+    gs = group_size
+    if gs & (gs - 1) == 0 and 4 <= gs <= 256:
+        groups = h // gs
+        block_g = max(1, min(triton.next_power_of_2(groups), 512 // gs))
+        block_t = 16
+        grid = (triton.cdiv(t, block_t), triton.cdiv(groups, block_g))
+        _conv_groups_kernel[grid](*args, groups, *strides, K=k, GS=gs, BLOCK_T=block_t,
+                                  BLOCK_G=block_g, num_warps=8)
+        return y
     block_c = min(256, triton.next_power_of_2(h))
     block_t = max(1, min(16, 2048 // block_c))
     grid = (triton.cdiv(t, block_t), triton.cdiv(h, block_c))
-    _conv_kernel[grid](x, dynamic, base, y, t, h, block_size, group_size, x.stride(0),
-                       dynamic.stride(0), dynamic.stride(1), base.stride(0), K=k,
-                       BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4)
+    _conv_kernel[grid](*args, gs, *strides, K=k, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4)
     return y
 
 

@@ -1,0 +1,197 @@
+// DFlash 2's grouped dynamic causal convolution: grouped_dyn_conv (dflash_ops/ops/conv.py).
+//
+//   y[t, c] = sum over o < K with t % B >= o of (base[o, c] + dynamic[t, o, c / G]) * x[t - o, c]
+//
+// fp32 math in the reference's order (w = base + dyn, then acc + w * x, each rounded to fp32),
+// one rounding to x's dtype at the end. x is [T, H] with unit stride in H and any row stride;
+// dynamic [T, K, H / G] with unit stride in its last dim (a strided half of DFlash 2's
+// [T, 2, K, G] projection is taken as it is); base [K, H] with unit stride in H; y a new
+// contiguous [T, H].
+// One kernel, a streaming one: a thread owns VEC channels (16 bytes when the strides and
+// pointers allow) of ROWS consecutive rows and walks them in order, so the rows t - o it reads
+// for the later taps are the ones it read just before (L1 hits: x comes from DRAM once). When
+// the VEC channels share one group (G % VEC == 0) a tap's dynamic weight is one load.
+// Grid (row chunks, channel chunks of 128 threads): from the shapes only, graph-capturable.
+#include "dflash_ops.h"
+
+#include "checks.h"
+#include "register.h"
+#include "common.cuh"
+
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <limits>
+
+namespace dflash_ops {
+namespace {
+
+using namespace detail;  // common.cuh, checks.h
+
+// ---------------------------------------------------------------------------------------------
+// Device side: no framework types.
+
+struct ConvParams {
+  const void* x;      // row t at x + t * sx
+  const void* dyn;    // dynamic[t, o, g] at dyn + t * sd_t + o * sd_k + g
+  const void* base;   // base[o, c] at base + o * sb + c
+  void* y;            // [T, H] contiguous
+  int64_t rows, h, sx, sd_t, sd_k, sb;
+  int k, block, group;
+};
+
+constexpr int kThreads = 128;
+constexpr int kRows = 8;  // rows a thread walks
+
+template <class E, int VEC, bool ONE_GROUP>
+__global__ void __launch_bounds__(kThreads) grouped_dyn_conv_kernel(const ConvParams p) {
+  using Bits = typename E::Bits;
+  using P = Pack<Bits, VEC>;
+  const int64_t c = (int64_t(blockIdx.y) * kThreads + threadIdx.x) * VEC;
+  if (c >= p.h) return;
+  const int64_t t0 = int64_t(blockIdx.x) * kRows;
+  const Bits* xb = static_cast<const Bits*>(p.x);
+  const Bits* db = static_cast<const Bits*>(p.dyn);
+  const Bits* bb = static_cast<const Bits*>(p.base);
+  Bits* yb = static_cast<Bits*>(p.y);
+  const int g0 = static_cast<int>(c) / p.group;  // H < 2^31 (checked)
+  for (int r = 0; r < kRows; ++r) {
+    const int64_t t = t0 + r;
+    if (t >= p.rows) break;
+    const int pos = static_cast<int>(t) % p.block;  // T < 2^31 (checked)
+    float acc[VEC];
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) acc[v] = 0.0f;
+    const int taps = pos + 1 < p.k ? pos + 1 : p.k;  // no tap before the block's first row
+    for (int o = 0; o < taps; ++o) {
+      const P xv = load_pack_ro<P>(xb + (t - o) * p.sx + c);
+      const P bv = load_pack_ro<P>(bb + o * p.sb + c);
+      const Bits* drow = db + t * p.sd_t + o * p.sd_k;
+      if (ONE_GROUP) {
+        const float d = E::to_float(__ldg(drow + g0));
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) {
+          const float w = __fadd_rn(E::to_float(bv.e[v]), d);
+          acc[v] = __fadd_rn(acc[v], __fmul_rn(w, E::to_float(xv.e[v])));
+        }
+      } else {
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) {
+          const float d = E::to_float(__ldg(drow + (static_cast<int>(c) + v) / p.group));
+          const float w = __fadd_rn(E::to_float(bv.e[v]), d);
+          acc[v] = __fadd_rn(acc[v], __fmul_rn(w, E::to_float(xv.e[v])));
+        }
+      }
+    }
+    P out;
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) out.e[v] = E::from_float(acc[v]);
+    store_pack(yb + t * p.h + c, out);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side.
+
+template <class E, int VEC, bool ONE_GROUP>
+void launch(const ConvParams& p, cudaStream_t stream) {
+  const int64_t nvec = p.h / VEC;
+  const int64_t chunks = (nvec + kThreads - 1) / kThreads;
+  const int64_t row_chunks = (p.rows + kRows - 1) / kRows;
+  TORCH_CHECK_VALUE(chunks <= 65535 && row_chunks <= std::numeric_limits<int32_t>::max(),
+                    "dflash.grouped_dyn_conv: x of ", p.rows, " rows of ", p.h,
+                    " is too large for one launch");
+  const dim3 grid(static_cast<unsigned>(row_chunks), static_cast<unsigned>(chunks));
+  grouped_dyn_conv_kernel<E, VEC, ONE_GROUP><<<grid, kThreads, 0, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <class E>
+void run(const ConvParams& p, cudaStream_t stream) {
+  constexpr int kVec = 16 / static_cast<int>(sizeof(typename E::Bits));
+  // 16-byte vectors: H, the row strides of x and base on vector boundaries, the pointers on
+  // 16-byte boundaries (y is a fresh allocation)
+  const bool vec = p.h % kVec == 0 && p.sx % kVec == 0 && p.sb % kVec == 0 &&
+                   aligned16(p.x) && aligned16(p.base) && aligned16(p.y);
+  if (vec && p.group % kVec == 0) {
+    launch<E, kVec, true>(p, stream);
+  } else if (vec) {
+    launch<E, kVec, false>(p, stream);
+  } else {
+    launch<E, 1, true>(p, stream);
+  }
+}
+
+}  // namespace
+
+at::Tensor grouped_dyn_conv(const at::Tensor& x, const at::Tensor& dynamic,
+                            const at::Tensor& base, int64_t group_size, int64_t block_size) {
+  constexpr const char* op = "grouped_dyn_conv";
+  // the order and messages of dflash_ops/ops/conv.py _check
+  check_cuda(op, "x", x);
+  check_rank(op, "x", x, 2);
+  check_float(op, "x", x);
+  check_last_dim(op, "x", x);
+  const int64_t t = x.size(0), h = x.size(1);
+  TORCH_CHECK_VALUE(group_size >= 1 && h % group_size == 0, "dflash.", op,
+                    ": group_size must be a positive divisor of H = ", h, ", got ", group_size);
+  TORCH_CHECK_VALUE(block_size >= 1, "dflash.", op, ": block_size must be >= 1, got ",
+                    block_size);
+  TORCH_CHECK_VALUE(t % block_size == 0, "dflash.", op, ": x's ", t,
+                    " rows must be whole blocks of block_size = ", block_size);
+  check_rank(op, "base", base, 2);
+  check_device(op, "base", base, x.device());
+  check_last_dim(op, "base", base);
+  check_same_dtype(op, "base", base, "x", x);
+  const int64_t k = base.size(0);
+  TORCH_CHECK_VALUE(k >= 1 && base.size(1) == h, "dflash.", op, ": base must be [K >= 1, H = ",
+                    h, "], got ", py_list(base.sizes()));
+  const int64_t groups = h / group_size;
+  check_rank(op, "dynamic", dynamic, 3);
+  check_device(op, "dynamic", dynamic, x.device());
+  check_shape(op, "dynamic", dynamic, {t, k, groups});
+  check_last_dim(op, "dynamic", dynamic);
+  check_same_dtype(op, "dynamic", dynamic, "x", x);
+  constexpr int64_t kMax32 = std::numeric_limits<int32_t>::max();
+  TORCH_CHECK_VALUE(k <= kMax32 && block_size <= kMax32 && t <= kMax32 && h <= kMax32, "dflash.",
+                    op, ": x [", t, ", ", h, "], K = ", k, " or block_size = ", block_size,
+                    " is too large (each at most 2^31 - 1)");
+
+  at::Tensor y = at::empty({t, h}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (t == 0 || h == 0) return y;
+  ConvParams p{};
+  p.x = x.data_ptr();
+  p.dyn = dynamic.data_ptr();
+  p.base = base.data_ptr();
+  p.y = y.data_ptr();
+  p.rows = t;
+  p.h = h;
+  p.sx = x.stride(0);
+  p.sd_t = dynamic.stride(0);
+  p.sd_k = dynamic.stride(1);
+  p.sb = base.stride(0);
+  p.k = static_cast<int>(k);
+  p.block = static_cast<int>(block_size);
+  p.group = static_cast<int>(group_size);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
+  switch (x.scalar_type()) {
+    case at::kBFloat16: run<BF16>(p, stream); break;
+    case at::kHalf: run<F16>(p, stream); break;
+    default: run<F32>(p, stream); break;
+  }
+  return y;
+}
+
+}  // namespace dflash_ops
+
+static void register_kernels(torch::Library& m) {
+  m.impl("grouped_dyn_conv", TORCH_FN(dflash_ops::grouped_dyn_conv));
+}
+DFLASH_OPS_REGISTER_CUDA(register_kernels)
