@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <tuple>
 
 namespace dflash_ops {
 
@@ -146,5 +147,17 @@ void block_attention_out_(const at::Tensor& q, const at::Tensor& k_cache,
 //   math, one rounding. DFlash 2's convolution along each block's rows.
 at::Tensor grouped_dyn_conv(const at::Tensor& x, const at::Tensor& dynamic,
                             const at::Tensor& base, int64_t group_size, int64_t block_size);
+
+// select_candidates(Tensor unary, Tensor cand, Tensor hidden, Tensor anchor, Tensor pred,
+//                   Tensor succ, float temperature, Tensor? u=None) -> (Tensor, Tensor)
+//   DFlash 2's selector walk (dflash_ops/ops/select.py): unary [R, J, k] float, cand [R, J, k]
+//   int64, hidden [R, J, rank] float, anchor [R] int64, pred / succ [V, rank] one float dtype,
+//   u [R, J] fp32 when temperature > 0; all contiguous. Returns path [R, J] int64 and q
+//   [R, J, k] fp32. The kernel takes k <= 8 with rank <= 512, k <= 16 with rank <= 256, or
+//   k <= 32 with rank <= 128 (else a ValueError naming the shapes).
+std::tuple<at::Tensor, at::Tensor> select_candidates(
+    const at::Tensor& unary, const at::Tensor& cand, const at::Tensor& hidden,
+    const at::Tensor& anchor, const at::Tensor& pred, const at::Tensor& succ,
+    double temperature, const std::optional<at::Tensor>& u);
 
 }  // namespace dflash_ops

@@ -94,15 +94,20 @@ GRID = [dict(r=3, j=7, k=4, rank=8, v=50), dict(r=2, j=3, k=20, rank=33, v=100),
         dict(r=1, j=1, k=1, rank=4, v=9), dict(r=4, j=5, k=16, rank=64, v=300, bad_ids=True)]
 
 
-def check_triton(device, dtypes):
+# the CUDA kernel's (dims a lane, candidates a warp) variants: rank 8-512, k 1-32
+GPU_GRID = GRID + [dict(r=2, j=7, k=16, rank=256, v=1000), dict(r=3, j=4, k=8, rank=512, v=700),
+                   dict(r=2, j=6, k=32, rank=128, v=500), dict(r=1, j=15, k=9, rank=100, v=64)]
+
+
+def check_backend(device, dtypes, backend="triton", grid=GRID):
     for dtype in dtypes:
-        for i, g in enumerate(GRID):
+        for i, g in enumerate(grid):
             for temperature in (0.0, 0.8):
                 kw = case(**g, temperature=temperature, dtype=dtype, seed=10 + i, device=device)
                 want = select_candidates_ref(**kw)
-                with dispatch.use_backend("triton", ops=("select_candidates",)):
+                with dispatch.use_backend(backend, ops=("select_candidates",)):
                     got = select_candidates(**kw)
-                what = f"{dtype} {g} T={temperature}"
+                what = f"{backend} {dtype} {g} T={temperature}"
                 assert torch.equal(got[0], want[0]), what
                 torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5,
                                            msg=lambda m: f"{what}: {m}")
@@ -111,7 +116,7 @@ def check_triton(device, dtypes):
 _SCRIPT = r"""
 import torch
 import tests.test_select_kernels as t
-t.check_triton("cpu", (torch.float32, torch.float16))
+t.check_backend("cpu", (torch.float32, torch.float16))
 print("interp-ok")
 """
 
@@ -121,20 +126,33 @@ def test_triton_kernel_under_interpreter():
 
 
 @pytest.mark.gpu
-def test_triton_kernel_gpu():
-    check_triton("cuda", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_kernels_gpu(backend):
+    if not dispatch.has_backend("select_candidates", backend):
+        pytest.fail(f"no {backend} kernel for select_candidates (is dflash_ops._C built?)")
+    check_backend("cuda", (torch.float32, torch.bfloat16), backend, GPU_GRID)
 
 
 @pytest.mark.gpu
-def test_graph_replay_gpu():
+def test_cuda_kernel_refuses_shapes_it_lacks():
+    kw = case(1, 2, 32, 256, 300, device="cuda")
+    with dispatch.use_backend("cuda", ops=("select_candidates",)):
+        with pytest.raises(ValueError, match="k <= 16 with rank <= 256.*use the triton backend"):
+            select_candidates(**kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_graph_replay_gpu(backend):
     """Captured once in a CUDA graph (sampled: the uniforms are an input), replayed on new
     inputs copied into the same buffers."""
     kw = case(4, 5, 16, 64, 300, temperature=0.8, device="cuda")
     static = dict(kw)
-    select_candidates(**static)  # warm-up: compile before capture
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        path, q = select_candidates(**static)
+    with dispatch.use_backend(backend, ops=("select_candidates",)):
+        select_candidates(**static)  # warm-up: compile before capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            path, q = select_candidates(**static)
     for seed in (1, 2):
         new = case(4, 5, 16, 64, 300, temperature=0.8, device="cuda", seed=seed)
         for k in ("unary", "cand", "hidden", "anchor", "pred", "succ", "u"):

@@ -5,8 +5,8 @@
   ``dflash`` package's convolution run eagerly (its per-tap bf16 products) vs the floor (x,
   dynamic and y once, over this run's copy bandwidth), T 64 .. 16384 (batch x 8 rows).
 * ``select_candidates``: R requests x 7 rows, k 16, rank 256, V 248320 codebooks (the gathered
-  rows are the bytes: R * 7 * (k + 1) * rank * 2 + unary/hidden): our kernel vs the walk as
-  eager torch (the reference), R 1 .. 64.
+  rows are the bytes: R * 7 * (k + 1) * rank * 2 + unary/hidden): our kernels (Triton, CUDA)
+  vs the walk as eager torch (the reference), R 1 .. 64.
 
 Timing: CUDA-graph replays (``time_fn(graph=True)``), inputs rotating over > 2x L2.
 """
@@ -80,11 +80,15 @@ def _select(res: Results, rs, timing) -> None:
         sets = rotating(make, r * j * (k * 10 + rank * 2))
         fl = floor_us(res.floors, moved)
         args = sets[0]
-        same = torch.equal(select_candidates(*args, pred, succ, 0.0)[0],
-                           select_candidates_ref(*args, pred, succ, 0.0)[0])
-        res.add_time(table, str(r), "ours", time_fn(
-            lambda *a: select_candidates(*a, pred, succ, 0.0), rotate=sets, graph=True,
-            **timing), bytes_moved=moved, floor=fl, x=r, same_path=same)
+        want = select_candidates_ref(*args, pred, succ, 0.0)[0]
+        for backend in ("triton", "cuda"):
+            if not dispatch.has_backend("select_candidates", backend):
+                continue
+            with dispatch.use_backend(backend, ops=("select_candidates",)):
+                same = torch.equal(select_candidates(*args, pred, succ, 0.0)[0], want)
+                res.add_time(table, str(r), f"ours ({backend})", time_fn(
+                    lambda *a: select_candidates(*a, pred, succ, 0.0), rotate=sets, graph=True,
+                    **timing), bytes_moved=moved, floor=fl, x=r, same_path=same)
         res.add_time(table, str(r), "torch walk", time_fn(
             lambda *a: select_candidates_ref(*a, pred, succ, 0.0), rotate=sets, graph=True,
             **timing), bytes_moved=moved, floor=fl, x=r)

@@ -92,7 +92,8 @@ def _fake(unary, cand, hidden, anchor, pred, succ, temperature, u=None):
             unary.new_empty((r, j, k), dtype=torch.float32))
 
 
-# Default triton: the only kernel so far.
+# Default triton until the CUDA kernel (csrc/select.cu) is measured against it on the H200; the
+# CUDA kernel refuses k / rank combinations it lacks registers for (Triton takes any).
 dispatch.define_op(
     "select_candidates(Tensor unary, Tensor cand, Tensor hidden, Tensor anchor, Tensor pred, "
     "Tensor succ, float temperature, Tensor? u=None) -> (Tensor, Tensor)",
