@@ -60,6 +60,10 @@ SUITES = {
                 "DFlash 2's grouped_dyn_conv (x[T,5120], K 2, group 16) and select_candidates "
                 "(k 16, rank 256, V 248k) at Qwen3.8-27B-DFlash2 shapes: ours vs the dflash "
                 "reference / torch walk vs floor"),
+    "dflash2-step": ("dflash_ops.bench.dflash2_step",
+                     "one Qwen3.8-27B-DFlash2 draft step (window 2048, conv + selector) under "
+                     "our CUDA graph vs the same drafter without conv and selector vs floor, B "
+                     "1-64 x S 1k-8k, 1 x 131k"),
     "e2e": ("dflash_ops.bench.e2e",
             "one DFlash iteration (draft + verify graphs) vs a decode step, Qwen3-8B shapes, "
             "B 1-64 x S 1k-8k: floors, implied speedup, GPU idle, host syncs"),

@@ -1,0 +1,154 @@
+"""``dflash-ops bench dflash2-step``: one DFlash 2 draft step at Qwen3.8-27B-DFlash2 shapes.
+
+The step (context K/V of a block of newly committed rows + the block forward + LM head + the
+candidate selector's walk) of the published config (``QWEN38_27B_DFLASH2``: H 5120, 5 sliding
+non-causal layers of window 2048, 32 / 8 heads, D 128, inter 17408, V 248320, block 8; conv
+K 2 group 16, selector rank 256 top-k 16), random bf16 weights, under our CUDA graph
+(DraftStep), against the same drafter without its convolutions and selector (a DFlash step
+of the same shapes: the LM head's argmax instead of the walk) and against the floor.
+
+Cases: B 1 / 8 / 64 x S 1k / 8k and 1 x 131k (with the window the attention reads at most
+2048 + 8 keys a row whatever S; the cache still holds S positions). Targets (issue 16): conv +
+selector add at most 5% to the DFlash step at batch 1.
+
+floor = max(bytes / copy, FLOPs / GEMM), both measured in this run; bytes = the DFlash step's
+(bench.drafter.step_cost with the K/V read cut to the window) + the DFlash 2 extras (the conv
+kernel projections and base taps, the selector's hidden projection, the codebook rows the walk
+reads, each layer's conv inputs and outputs).
+"""
+from __future__ import annotations
+
+import copy
+import sys
+import time
+
+import torch
+
+from .harness import Results, floor_us, measure_floors, time_fn
+
+# Qwen3.8-27B-DFlash2's config as published (z-lab format; tests/test_models_config.py parses
+# it; the non-causal key is is_causal: False).
+QWEN38_27B_DFLASH2 = {
+    "architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "attention_bias": False,
+    "hidden_size": 5120, "num_hidden_layers": 5, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 17408,
+    "vocab_size": 248320, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000},
+    "layer_types": ["sliding_attention"] * 5, "sliding_window": 2048,
+    "use_sliding_window": True, "block_size": 8, "num_target_layers": 64, "is_causal": False,
+    "dflash_config": {"mask_token_id": 248070, "target_layer_ids": [5, 19, 33, 47, 61],
+                      "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256,
+                      "selector_top_k": 16},
+}
+CASES = ((1, 1024), (8, 1024), (64, 1024), (1, 8192), (8, 8192), (64, 8192), (1, 131072))
+QUICK_CASES = ((1, 1024), (64, 8192), (1, 131072))
+VARIANTS = ("dflash2", "dflash (no conv, no selector)")
+GRAPH_TOL = 0.02
+TITLE = "draft step, Qwen3.8-27B-DFlash2 shapes, bf16, CUDA graph (DraftStep)"
+SUMMARY = "summary: us per step (graph replay)"
+
+
+def dflash_twin(d: dict) -> dict:
+    """The same drafter as a DFlash (1) config: no convolutions, no selector."""
+    out = copy.deepcopy(d)
+    out["architectures"] = ["DFlashDraftModel"]
+    for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        out["dflash_config"].pop(k, None)
+    return out
+
+
+def step_cost2(cfg, batch: int, context: int, itemsize: int = 2) -> dict:
+    """bench.drafter.step_cost for this config with the K/V read cut to the window, plus the
+    DFlash 2 extras when ``cfg`` has them."""
+    from .drafter import kv_row_elems, step_cost
+    b = cfg.block_size
+    windows = [cfg.layer_window(i) for i in range(cfg.num_layers)]
+    keys = context if min(windows) < 0 else min(context + b, max(windows) + b)
+    cost = step_cost(cfg, batch, keys, new=b, itemsize=itemsize)
+    cost["bytes"]["K/V written"] = batch * b * kv_row_elems(cfg) * itemsize
+    if cfg.model_type == "dflash2":
+        h, k, g = cfg.hidden_size, cfg.conv_kernel_size, cfg.hidden_size // cfg.conv_group_size
+        rank, top = cfg.selector_rank, cfg.selector_top_k
+        rows = batch * b
+        extra = {
+            "conv weights": cfg.num_layers * 2 * (2 * k * g * h + 2 * k * h),
+            "conv rows": cfg.num_layers * 2 * rows * (2 * h + 2 * k * g) * 2,  # prepare+finish
+            "selector weights": rank * h,
+            "codebook rows": batch * (b - 1) * (top + 1) * rank,
+        }
+        cost["bytes"].update({n: v * itemsize for n, v in extra.items()})
+        cost["flops"]["conv projection"] = 2.0 * cfg.num_layers * 2 * rows * 2 * k * g * h
+        cost["flops"]["selector"] = 2.0 * batch * (b - 1) * (rank * h + top * rank)
+    cost["total_bytes"] = sum(cost["bytes"].values())
+    cost["total_flops"] = sum(cost["flops"].values())
+    return cost
+
+
+def run(quick: bool = False) -> Results:
+    if not torch.cuda.is_available():
+        raise RuntimeError("dflash2-step suite: needs a CUDA GPU; nothing was run.")
+    from .drafter import (agreement, build_drafter, eager_step, graph_step, random_weights,
+                          step_inputs, _free)
+    from ..models.config import DFlashConfig
+
+    res = Results("dflash2-step" + ("-quick" if quick else ""), floors=measure_floors(),
+                  xlabel="B (requests)")
+    timing = dict(warmup_ms=25, rep_ms=150) if quick else dict(warmup_ms=50, rep_ms=400)
+    todo = QUICK_CASES if quick else CASES
+    cfgs = {VARIANTS[0]: DFlashConfig.from_dict(QWEN38_27B_DFLASH2, source="Qwen3.8-27B-DFlash2"),
+            VARIANTS[1]: DFlashConfig.from_dict(dflash_twin(QWEN38_27B_DFLASH2),
+                                                source="Qwen3.8-27B-DFlash2 without conv")}
+    times = {}
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        state2, embed, head = random_weights(cfgs[VARIANTS[0]], "cuda")
+        # the twin: the same tensors minus the conv and selector ones
+        state1 = {k: v for k, v in state2.items()
+                  if "conv" not in k and not k.startswith("candidate_selector")}
+        states = {VARIANTS[0]: state2, VARIANTS[1]: state1}
+        print(f"[dflash2-step] random weights {time.perf_counter() - t0:.1f} s", file=sys.stderr,
+              flush=True)
+        for b, s in todo:
+            label = f"B={b} S={s}"
+            for name in VARIANTS:
+                cfg = cfgs[name]
+                cost = step_cost2(cfg, b, s)
+                floor = floor_us(res.floors, cost["total_bytes"], cost["total_flops"])
+                t = None
+                note = ""
+                try:
+                    drafter = build_drafter(cfg, states[name], embed, head, b, s, "cuda")
+                    inp = step_inputs(cfg, b, s, "cuda", new=cfg.block_size)
+                    want_t, want_z = (x.clone() for x in eager_step(drafter, inp))
+                    step, bucket = graph_step(drafter, inp, b)
+                    got_t, got_z = step.run(bucket)
+                    ok, err, note = agreement(got_t, got_z, want_t, want_z, GRAPH_TOL)
+                    if ok:
+                        t = time_fn(lambda: step.run(bucket), graph=False, **timing)
+                    else:
+                        note = f"WRONG vs eager, not timed: {note}"
+                    del drafter, step, inp, want_t, want_z, got_t, got_z
+                except Exception as e:  # noqa: BLE001 - a broken column is reported
+                    note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                _free("cuda")
+                res.add_time(TITLE, label, name, t, bytes_moved=cost["total_bytes"],
+                             floor=floor, x=b, note=note)
+                times[(b, s, name)] = (t["us"] if t else None, floor)
+                print(f"[dflash2-step] {label} {name}: "
+                      f"{t['us']:.1f} us" if t else f"[dflash2-step] {label} {name}: {note}",
+                      file=sys.stderr, flush=True)
+    for b, s in todo:
+        (t2, f2), (t1, _) = times[(b, s, VARIANTS[0])], times[(b, s, VARIANTS[1])]
+        res.add(SUMMARY, case=f"B={b} S={s}", dflash2=t2, dflash=t1,
+                **{"conv + selector add %": 100 * (t2 / t1 - 1) if t1 and t2 else None,
+                   "floor (dflash2)": f2, "dflash2 x floor": t2 / f2 if t2 else None})
+    res.notes += [
+        "one step = the context K/V of 8 newly committed rows a request + the block forward of "
+        "[last token, MASK x 7] + LM head on the 7 mask rows + (DFlash 2) top-16 and the "
+        "selector walk / (DFlash) argmax; random bf16 weights, target embedding / LM head "
+        "random [248320, 5120]",
+        "timing: per-call CUDA events around one graph replay (do_bench median, L2 wiped)",
+        "checks before timing: graph vs eager of the same drafter (max |dz| <= 0.02 max |z|, "
+        "drafts equal outside near ties); a failing column is not timed",
+    ]
+    return res
