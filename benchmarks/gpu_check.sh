@@ -4,8 +4,10 @@
 # more are packed into $OUT/all.tgz at the end).
 # Usage: bash benchmarks/gpu_check.sh [build|tests|sanitize|vllm|vllm-counter|vllm-bench|dflash2|bench|ctx|attn|linear|drafter|e2e|models|compare|profile|cmake|all]
 #   all:     tests + bench + ctx; build: install, info and check only
+#   tests:   pytest -m gpu over SHARDS processes; TEST_FILES="tests/a.py tests/b.py" for a subset
 #   sanitize: the hostile-value GPU tests (tests/test_hostile_inputs.py,
-#            tests/test_out_of_range_inputs.py) under compute-sanitizer memcheck and racecheck
+#            tests/test_out_of_range_inputs.py) and the DFlash 2 kernels' (SAN_FILES to change)
+#            under compute-sanitizer memcheck and racecheck
 #            (SAN_TOOLS), with the caching allocator off so that every tensor is its own
 #            allocation; each must report 0 errors
 #   vllm:    real vLLM (carry the bundle: cp ../shared/vllm/* .vllm/) with the plugin:
@@ -49,7 +51,8 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   # SHARDS pytest processes side by side on the one GPU (the tests are small and mostly host
   # bound: compiles, launches), files dealt round-robin; one log each, then the summaries.
   shards=${SHARDS:-3}
-  mapfile -t files < <(grep -l "gpu" tests/test_*.py)
+  if [ -n "${TEST_FILES:-}" ]; then read -r -a files <<<"$TEST_FILES"  # a subset, by path
+  else mapfile -t files < <(grep -l "gpu" tests/test_*.py); fi
   pids=()
   for ((i = 0; i < shards; i++)); do
     part=(); for ((j = i; j < ${#files[@]}; j += shards)); do part+=("${files[j]}"); done
@@ -69,7 +72,8 @@ if [ "$what" = sanitize ]; then
   for tool in ${SAN_TOOLS:-memcheck racecheck}; do
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_TIMEOUT:-280} compute-sanitizer --tool "$tool" \
       --error-exitcode 3 --print-limit 20 python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
-      tests/test_hostile_inputs.py tests/test_out_of_range_inputs.py >"$OUT/sanitize_$tool.log" 2>&1
+      ${SAN_FILES:-tests/test_hostile_inputs.py tests/test_out_of_range_inputs.py \
+      tests/test_conv_kernels.py tests/test_select_kernels.py} >"$OUT/sanitize_$tool.log" 2>&1
     r=$?; [ $r -ne 0 ] && rc=$r
     echo "$tool (rc $r): $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)" \
       "| $(grep -E '(passed|failed|error)' "$OUT/sanitize_$tool.log" | tail -1)"

@@ -92,6 +92,13 @@ def _select(res: Results, rs, timing) -> None:
         res.add_time(table, str(r), "torch walk", time_fn(
             lambda *a: select_candidates_ref(*a, pred, succ, 0.0), rotate=sets, graph=True,
             **timing), bytes_moved=moved, floor=fl, x=r)
+        # the top-k before the walk (torch.topk on the bf16 logits): is a fused one worth it?
+        zb = r * j * v * 2
+        zsets = rotating(lambda r=r: (torch.randn(r * j, v, dtype=bf16, device=dev),), zb)
+        ztable = f"top-{k} of the logits [R*{j}, {v}] bf16 (before the walk)"
+        res.add_time(ztable, str(r), "torch.topk", time_fn(
+            lambda z: torch.topk(z, k, dim=-1), rotate=zsets, graph=True, **timing),
+            bytes_moved=zb, floor=floor_us(res.floors, zb), x=r)
 
 
 def run(quick: bool = False) -> Results:
