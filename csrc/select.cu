@@ -58,7 +58,7 @@ struct SelectParams {
   int64_t v;
   int j, k, rank;
   int unary_dt, hidden_dt;
-  float temperature;  // sampled: score / temperature, as the reference divides
+  float inv_t;  // sampled: score * (1 / temperature), as ATen's CUDA division by a scalar
 };
 
 __device__ __forceinline__ float load_any(const void* p, int64_t i, int dt) {
@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const SelectParams 
       int pick;
       float q;
       if (sample) {
-        const float s = score / p.temperature;
+        const float s = score * p.inv_t;
         const float m = warp_max(s);
         const float e = in ? expf(s - m) : 0.0f;
         q = e / warp_sum(e);
@@ -234,10 +234,20 @@ void by_rank(const SelectParams& p, int64_t r, cudaStream_t stream) {
     case 2: launch<E, 2, CPW>(p, r, stream); break;
     case 4: launch<E, 4, CPW>(p, r, stream); break;
     case 8:
-      if constexpr (CPW <= 2) launch<E, 8, CPW>(p, r, stream);
+      if constexpr (CPW <= 2) {
+        launch<E, 8, CPW>(p, r, stream);
+      } else {
+        TORCH_CHECK(false, "dflash.select_candidates: internal: no kernel for rank ", p.rank,
+                    ", k ", p.k, " (select_fits and by_rank disagree)");
+      }
       break;
     default:
-      if constexpr (CPW == 1) launch<E, 16, CPW>(p, r, stream);
+      if constexpr (CPW == 1) {
+        launch<E, 16, CPW>(p, r, stream);
+      } else {
+        TORCH_CHECK(false, "dflash.select_candidates: internal: no kernel for rank ", p.rank,
+                    ", k ", p.k, " (select_fits and by_rank disagree)");
+      }
       break;
   }
 }
@@ -269,6 +279,9 @@ std::tuple<at::Tensor, at::Tensor> select_candidates(
   check_float(op, "unary", unary);
   check_contiguous(op, "unary", unary);
   const int64_t r = unary.size(0), j = unary.size(1), k = unary.size(2);
+  TORCH_CHECK_VALUE(k >= 1 || r * j == 0, "dflash.", op,
+                    ": unary must have k >= 1 candidates a row (its last dim), got shape ",
+                    py_list(unary.sizes()));
   check_dtype(op, "cand", cand, at::kLong);
   check_device(op, "cand", cand, unary.device());
   check_shape(op, "cand", cand, {r, j, k});
@@ -301,17 +314,17 @@ std::tuple<at::Tensor, at::Tensor> select_candidates(
     check_shape(op, "u", *u, {r, j});
     check_contiguous(op, "u", *u);
   }
-  TORCH_CHECK_VALUE(select_fits(k, rank), "dflash.", op,
-                    ": the CUDA kernel takes k <= 8 with rank <= 512, k <= 16 with rank <= 256, "
-                    "or k <= 32 with rank <= 128; got k = ", k, ", rank = ", rank,
-                    " (unary's last dim, pred's); use the triton backend");
   TORCH_CHECK_VALUE(j <= std::numeric_limits<int32_t>::max() &&
                         r <= std::numeric_limits<int32_t>::max(),
                     "dflash.", op, ": R = ", r, " or J = ", j, " is too large");
 
   at::Tensor path = at::empty({r, j}, cand.options());
   at::Tensor q = at::empty({r, j, k}, unary.options().dtype(at::kFloat));
-  if (r == 0 || j == 0 || k == 0) return {path, q};
+  if (r == 0 || j == 0) return {path, q};
+  TORCH_CHECK_VALUE(select_fits(k, rank), "dflash.", op,
+                    ": the CUDA kernel takes k <= 8 with rank <= 512, k <= 16 with rank <= 256, "
+                    "or k <= 32 with rank <= 128; got k = ", k, ", rank = ", rank,
+                    " (unary's last dim, pred's); use the triton backend");
   SelectParams p{};
   p.unary = unary.data_ptr();
   p.cand = cand.data_ptr<int64_t>();
@@ -328,7 +341,7 @@ std::tuple<at::Tensor, at::Tensor> select_candidates(
   p.rank = static_cast<int>(rank);
   p.unary_dt = dt_code(unary.scalar_type());
   p.hidden_dt = dt_code(hidden.scalar_type());
-  p.temperature = sample ? static_cast<float>(temperature) : 1.0f;
+  p.inv_t = sample ? 1.0f / static_cast<float>(temperature) : 1.0f;
   const c10::cuda::CUDAGuard guard(unary.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(unary.get_device()).stream();
   switch (pred.scalar_type()) {

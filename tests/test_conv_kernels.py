@@ -22,14 +22,15 @@ def case(r, b, h, k, gs, dtype=torch.float32, strided=False, seed=0, device="cpu
     """``pad``: x is a [T, h] slice of a [T, h + pad] tensor (a row stride past H)."""
     g = torch.Generator().manual_seed(seed)
     groups = h // gs
-    x = torch.randn(r * b, h + pad, generator=g)[:, :h]
+    # moved to the device and dtype before slicing: a copy of a strided view comes out dense
+    x = torch.randn(r * b, h + pad, generator=g).to(device, dtype)[:, :h]
     if strided:
-        dyn = (torch.randn(r * b, 2, k, groups, generator=g) * 0.5)[:, 0]
+        dyn = (torch.randn(r * b, 2, k, groups, generator=g) * 0.5).to(device, dtype)[:, 0]
     else:
-        dyn = torch.randn(r * b, k, groups, generator=g) * 0.5
-    base = torch.randn(k, h, generator=g) * 0.5
-    return dict(x=x.to(device, dtype), dynamic=dyn.to(device, dtype),
-                base=base.to(device, dtype), group_size=gs, block_size=b)
+        dyn = (torch.randn(r * b, k, groups, generator=g) * 0.5).to(device, dtype)
+    base = (torch.randn(k, h, generator=g) * 0.5).to(device, dtype)
+    assert x.stride(0) == h + pad and (not strided or dyn.stride(0) == 2 * k * groups)
+    return dict(x=x, dynamic=dyn, base=base, group_size=gs, block_size=b)
 
 
 def by_definition(x, dynamic, base, group_size, block_size):
@@ -90,7 +91,9 @@ def check_backend(device, dtypes, backend="triton"):
             want = grouped_dyn_conv_ref(**kw)
             with dispatch.use_backend(backend, ops=("grouped_dyn_conv",)):
                 got = grouped_dyn_conv(**kw)
-            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            # the CUDA kernel keeps the reference's rounding order (w = base + dyn, acc + w * x,
+            # each rounded to fp32, no FMA; one final rounding): equal, not close
+            tol = 0.0 if backend == "cuda" else 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol,
                                        msg=lambda m: f"{backend} {dtype} {(r, b, h, k, gs)}: {m}")
             assert got.is_contiguous() and got.dtype == dtype

@@ -20,7 +20,9 @@ from dflash_ops.ops.select import select_candidates, select_candidates_ref
 
 
 def case(r, j, k, rank, v, temperature=0.0, dtype=torch.float32, seed=0, device="cpu",
-         bad_ids=False):
+         bad_ids=False, mixed=False):
+    """``mixed``: unary fp32 (torch.topk of fp32 logits) and hidden fp16 beside codebooks of
+    ``dtype``: each of the three may have its own float dtype."""
     g = torch.Generator().manual_seed(seed)
     cand = torch.stack([torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(j)])
                         for _ in range(r)])
@@ -29,8 +31,11 @@ def case(r, j, k, rank, v, temperature=0.0, dtype=torch.float32, seed=0, device=
         cand[0, 0, 0] = v + 3
         cand[-1, -1, -1] = -2
         anchor[0] = -1
-    kw = dict(unary=torch.randn(r, j, k, generator=g).to(device, dtype), cand=cand.to(device),
-              hidden=torch.randn(r, j, rank, generator=g).to(device, dtype),
+    kw = dict(unary=torch.randn(r, j, k, generator=g).to(device,
+                                                       torch.float32 if mixed else dtype),
+              cand=cand.to(device),
+              hidden=torch.randn(r, j, rank, generator=g).to(device,
+                                                             torch.float16 if mixed else dtype),
               anchor=anchor.to(device),
               pred=(torch.randn(v, rank, generator=g) * 0.5).to(device, dtype),
               succ=(torch.randn(v, rank, generator=g) * 0.5).to(device, dtype),
@@ -96,7 +101,8 @@ GRID = [dict(r=3, j=7, k=4, rank=8, v=50), dict(r=2, j=3, k=20, rank=33, v=100),
 
 # the CUDA kernel's (dims a lane, candidates a warp) variants: rank 8-512, k 1-32
 GPU_GRID = GRID + [dict(r=2, j=7, k=16, rank=256, v=1000), dict(r=3, j=4, k=8, rank=512, v=700),
-                   dict(r=2, j=6, k=32, rank=128, v=500), dict(r=1, j=15, k=9, rank=100, v=64)]
+                   dict(r=2, j=6, k=32, rank=128, v=500), dict(r=1, j=15, k=9, rank=100, v=64),
+                   dict(r=3, j=7, k=16, rank=256, v=900, mixed=True)]
 
 
 def check_backend(device, dtypes, backend="triton", grid=GRID):

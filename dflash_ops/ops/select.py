@@ -35,6 +35,9 @@ def _check(unary, cand, hidden, anchor, pred, succ, temperature, u=None):
     op = _OP
     C.tensor(op, "unary", unary, rank=3, dtype=C.FLOAT_DTYPES, contiguous=True)
     r, j, k = unary.shape
+    if k < 1 and r * j:
+        C.fail(op, f"unary must have k >= 1 candidates a row (its last dim), got shape "
+                   f"{list(unary.shape)}")
     dev = unary.device
     C.tensor(op, "cand", cand, shape=(r, j, k), dtype=torch.int64, device=dev, contiguous=True)
     C.tensor(op, "anchor", anchor, shape=(r,), dtype=torch.int64, device=dev, contiguous=True)
@@ -54,6 +57,8 @@ def _check(unary, cand, hidden, anchor, pred, succ, temperature, u=None):
 
 def _rows(cb: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """cb[ids] in fp32, zero rows for ids outside [0, V)."""
+    if cb.shape[0] == 0:  # V = 0: every id is outside
+        return torch.zeros(*ids.shape, cb.shape[1], dtype=torch.float32, device=cb.device)
     ok = (ids >= 0) & (ids < cb.shape[0])
     got = cb.float()[torch.where(ok, ids, torch.zeros_like(ids))]
     return torch.where(ok[..., None], got, torch.zeros_like(got))
@@ -131,6 +136,9 @@ def bad_samples() -> dict:
     return {_OP: [
         ("unary-int", to("unary", dtype=torch.int32), "unary"),
         ("unary-rank-2", set_(unary=rnd(3, 4)), "unary"),
+        ("unary-no-candidates", set_(unary=rnd(3, 7, 0), cand=torch.zeros(3, 7, 0,
+                                                                          dtype=torch.long)),
+         "unary"),
         ("cand-int32", to("cand", dtype=torch.int32), "cand"),
         ("cand-wrong-k", set_(cand=torch.zeros(3, 7, 5, dtype=torch.long)), "cand"),
         ("anchor-wrong-r", set_(anchor=torch.zeros(2, dtype=torch.long)), "anchor"),
