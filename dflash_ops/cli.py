@@ -1,4 +1,4 @@
-"""The ``dflash-ops`` command: ``demo``, ``info``, ``check``, ``bench``."""
+"""The ``dflash-ops`` command: ``demo``, ``info``, ``check``, ``bench``, ``train-tiny``."""
 from __future__ import annotations
 
 import argparse
@@ -124,12 +124,13 @@ def _bench(rest) -> int:
 
 def build_parser() -> Parser:
     import dflash_ops
+    from dflash_ops import train_tiny
     from dflash_ops.speculator import demo
 
     parser = Parser(prog="dflash-ops", description=__doc__)
     parser.add_argument("--version", action="version",
                         version=f"dflash-ops {dflash_ops.__version__}")
-    sub = parser.add_subparsers(dest="cmd", metavar="{info,check,bench,demo}", required=True)
+    sub = parser.add_subparsers(dest="cmd", metavar="{info,check,bench,demo,train-tiny}", required=True)
     sub.add_parser("info", help="versions, GPU, extension status, backends per op")
     c = sub.add_parser("check", help="every op vs the reference on random inputs; non-zero "
                                      "exit on a mismatch")
@@ -139,6 +140,7 @@ def build_parser() -> Parser:
                    help="test dtype (default: bf16 on CUDA, fp16 on CPU)")
     sub.add_parser("bench", help="run benchmark suites (dflash-ops bench --list)")
     demo.add_parser(sub)
+    train_tiny.add_parser(sub)
     return parser
 
 
@@ -148,10 +150,12 @@ def main(argv=None) -> int:
         return _bench(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
+    from dflash_ops import train_tiny
     from dflash_ops.speculator import demo
 
     try:
-        return {"info": _info, "check": _check, "demo": demo.run}[args.cmd](args)
+        return {"info": _info, "check": _check, "demo": demo.run,
+                "train-tiny": train_tiny.run}[args.cmd](args)
     except UsageError as e:
         print(f"dflash-ops {args.cmd}: error: {e}", file=sys.stderr)
         return 2
