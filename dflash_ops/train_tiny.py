@@ -96,6 +96,15 @@ def _schedule(opt, steps: int, warmup: int = 20):
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps)))
 
 
+def _update(opt, sched, loss, model) -> None:
+    """One optimiser step: backward, gradient norm clipped to 1, step, schedule."""
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+
+
 def _log(what: str, step: int, steps: int, loss: float, t0: float, extra: str = "") -> None:
     done = (step + 1) / steps
     bar = "#" * int(30 * done) + "." * (30 - int(30 * done))
@@ -123,11 +132,7 @@ def train_target(ids, steps: int = 400, batch: int = 16, lr: float = 2e-3, seed:
         x = _batch(ids, batch, SEQ + 1, g, device)
         logits = model(input_ids=x[:, :-1]).logits
         loss = F.cross_entropy(logits.reshape(-1, VOCAB).float(), x[:, 1:].reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        _update(opt, sched, loss, model)
         if s % log_every == 0 or s + 1 == steps:
             _log("target", s, steps, loss.item(), t0)
     return model.eval()
@@ -176,11 +181,7 @@ def train_drafter(target, ids, steps: int = 600, batch: int = 8, anchors: int = 
         ce = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1),
                              reduction="none").view(batch, n, b)
         loss = (ce * w).sum() / (w.sum() * batch * n)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        _update(opt, sched, loss, drafter)
         if s % log_every == 0 or s + 1 == steps:
             acc = (logits.argmax(-1).view(batch, n, b)[..., 1] == labels.view(batch, n, b)[..., 1])
             _log("drafter", s, steps, loss.item(), t0, f" slot-1 acc {acc.float().mean():.2f}")
