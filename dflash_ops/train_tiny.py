@@ -204,19 +204,24 @@ def save(out_dir: str, target, drafter, meta: dict) -> tuple:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("train-tiny", help="train the built-in tiny pair from stdlib source")
-    p.add_argument("--out", required=True, help="directory for target/ and drafter/")
-    p.add_argument("--target-steps", type=int, default=400)
-    p.add_argument("--draft-steps", type=int, default=600)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--seed", type=int, default=0)
+    from .cli import device_arg, int_at_least
+    p = sub.add_parser("train-tiny", help="train the built-in tiny pair from stdlib source",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="where target/ (HF format) and drafter/ (z-lab format) are written")
+    p.add_argument("--target-steps", type=int_at_least(1), default=400,
+                   help="target optimiser steps of 16 x 256 bytes (default: %(default)s)")
+    p.add_argument("--draft-steps", type=int_at_least(1), default=600,
+                   help="drafter optimiser steps of 8 sequences x 24 blocks (default: "
+                        "%(default)s)")
+    p.add_argument("--device", type=device_arg, default="cpu",
+                   help="cpu, cuda or cuda:N (default: %(default)s)")
+    p.add_argument("--seed", type=int_at_least(0), default=0,
+                   help="seed of the weights and batches (default: %(default)s; the shipped "
+                        "pair's)")
 
 
 def run(args) -> int:
-    for name in ("target_steps", "draft_steps"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"train-tiny: --{name.replace('_', '-')} must be >= 1, got "
-                             f"{getattr(args, name)}")
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
     ids, sha, root = corpus()
     train = ids[:-VAL_BYTES]

@@ -59,10 +59,14 @@ def test_train_tiny_writes_checkpoints_the_demo_loads(tmp_path):
         plain_greedy(target, prompts, 8)
 
 
-def test_train_tiny_rejects_zero_steps(tmp_path, capsys):
+def test_train_tiny_bad_value_is_one_line_naming_the_option(tmp_path, capsys):
     from dflash_ops.cli import main
-    with pytest.raises(SystemExit, match="--target-steps must be >= 1, got 0"):
+    with pytest.raises(SystemExit) as e:
         main(["train-tiny", "--out", str(tmp_path), "--target-steps", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert "--target-steps" in err[0] and "got '0'; allowed: an integer >= 1" in err[0], err
+    assert not os.listdir(tmp_path)  # nothing written
 
 
 def test_committed_counts_equal_dflash_generate(monkeypatch):
