@@ -2,7 +2,7 @@
 # The one script run on the H200 (device tool): install (builds dflash_ops._C), info, check, the
 # GPU tests, the benchmarks. Logs and result tables go under $OUT (at most 8 files come back:
 # more are packed into $OUT/all.tgz at the end).
-# Usage: bash benchmarks/gpu_check.sh [build|tests|sanitize|vllm|vllm-counter|vllm-bench|dflash2|bench|ctx|attn|linear|drafter|e2e|models|compare|profile|cmake|all]
+# Usage: bash benchmarks/gpu_check.sh [build|tests|sanitize|ncu|vllm|vllm-counter|vllm-bench|dflash2|bench|ctx|attn|linear|drafter|e2e|models|compare|profile|cmake|all]
 #   all:     tests + bench + ctx; build: install, info and check only
 #   tests:   pytest -m gpu over SHARDS processes; TEST_FILES="tests/a.py tests/b.py" for a subset
 #   sanitize: the hostile-value GPU tests (tests/test_hostile_inputs.py,
@@ -24,6 +24,9 @@
 #   attn:    the attention suite (BENCH_ARGS: --quick, --cases, --tables, --no-flex)
 #   models:  bench_drafter (DRAFTER_ARGS, default --no-ref), bench_e2e (E2E_ARGS, default --quick)
 #            and profile_step (PROFILE_ARGS) in one call
+#   ncu:     Nsight Compute (--clock-control none, --set full) of one launch of NCU_KERNEL
+#            (default attn_mma_kernel) in NCU_CMD (default bench_attention 1 x 131072 paged):
+#            $OUT/ncu.ncu-rep and its details page as text
 #   compare: bench_drafter --quick --no-ref and bench_e2e --quick of the tree in .old (an older
 #            commit, carried; built in place) and of this tree, alternating old/new twice, so a
 #            change's speed is compared within one call (drift between calls is ~4%); OLD_DIR
@@ -177,6 +180,25 @@ if [ "$what" = dflash2 ]; then  # DFlash 2's ops against their floors (bench_dfl
     timeout "${DFLASH2_STEP_TIMEOUT:-300}" python3 -m dflash_ops bench dflash2-step \
       ${BENCH_ARGS:-} --out "$OUT/results" > "$OUT/bench_dflash2_step.log" 2>&1
     grep -A12 "^summary" "$OUT/bench_dflash2_step.log"
+  fi
+fi
+if [ "$what" = ncu ]; then  # Nsight Compute of one kernel launch inside a benchmark run
+  # NCU_KERNEL: kernel-name regex (default our attention kernel); NCU_SKIP: launches of it to
+  # skip first (warm-up, autotune); NCU_CMD: the program (default the 1 x 131072 paged case).
+  cmd=${NCU_CMD:-python3 benchmarks/bench_attention.py --cases 1x131072 --tables paged --no-flex --no-plot --out /tmp/ncu-bench}
+  # shellcheck disable=SC2086
+  timeout "${NCU_TIMEOUT:-400}" ncu --clock-control none --target-processes all \
+    --kernel-name "regex:${NCU_KERNEL:-attn_mma_kernel}" --launch-skip "${NCU_SKIP:-20}" \
+    --launch-count "${NCU_COUNT:-1}" --set "${NCU_SET:-full}" -o "$OUT/ncu" $cmd \
+    > "$OUT/ncu_run.log" 2>&1
+  r=$?; [ $r -ne 0 ] && rc=$r
+  echo "ncu (rc $r): $(grep -c '==PROF==' "$OUT/ncu_run.log") profiler lines"
+  if [ -f "$OUT/ncu.ncu-rep" ]; then
+    ncu --import "$OUT/ncu.ncu-rep" --page details --print-units base > "$OUT/ncu_details.txt" 2>&1
+    grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Stall|Issue Slots|Eligible" \
+      "$OUT/ncu_details.txt" | head -40
+  else
+    tail -20 "$OUT/ncu_run.log"
   fi
 fi
 if [ "$what" = compare ]; then
