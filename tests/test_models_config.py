@@ -360,23 +360,16 @@ def qwen3_8b_dflash_b16() -> dict:
 
 
 def qwen38_27b_dflash2(non_causal_key="is_causal") -> dict:
-    """Qwen3.8-27B-DFlash2 as published (sliding 2048, non-causal); the exact key that
-    makes it non-causal is not known here, so both spellings are tested."""
-    d = {
-        "architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "attention_bias": False,
-        "hidden_size": 5120, "num_hidden_layers": 5, "num_attention_heads": 32,
-        "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 17408,
-        "vocab_size": 248320, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000},
-        "layer_types": ["sliding_attention"] * 5, "sliding_window": 2048,
-        "use_sliding_window": True, "block_size": 8, "num_target_layers": 64,
-        "dflash_config": {"mask_token_id": 248070, "target_layer_ids": [5, 19, 33, 47, 61],
-                          "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256,
-                          "selector_top_k": 16},
-    }
-    if non_causal_key == "is_causal":
-        d["is_causal"] = False
-    else:
+    """Qwen3.8-27B-DFlash2 as published (sliding 2048, non-causal; bench.dflash2_step holds
+    it); the exact key that makes it non-causal is not known here, so both spellings are
+    tested."""
+    import copy
+
+    from dflash_ops.bench.dflash2_step import QWEN38_27B_DFLASH2
+
+    d = copy.deepcopy(QWEN38_27B_DFLASH2)
+    if non_causal_key != "is_causal":
+        del d["is_causal"]
         d[non_causal_key] = True
     return d
 
