@@ -48,14 +48,24 @@ HIDDEN, TARGET_LAYERS, DRAFT_LAYERS, BLOCK, TAPS = 256, 4, 2, 8, [1, 2]
 SEQ = 256
 
 
+def _module_file(root: str, name: str) -> str:
+    """The source file of a stdlib module: name.py, or name/__init__.py where the module became a
+    package (zipfile in Python 3.12); "" when neither exists."""
+    for path in (os.path.join(root, name + ".py"), os.path.join(root, name, "__init__.py")):
+        if os.path.isfile(path):
+            return path
+    return ""
+
+
 def corpus() -> tuple:
     """(token ids [n] int64, sha256 hex of the bytes, stdlib dir)."""
     root = sysconfig.get_paths()["stdlib"]
-    missing = [m for m in MODULES if not os.path.isfile(os.path.join(root, m + ".py"))]
+    files = [_module_file(root, m) for m in MODULES]
+    missing = [m for m, f in zip(MODULES, files) if not f]
     if missing:
         raise FileNotFoundError(f"train-tiny: the standard library at {root} lacks "
                                 f"{', '.join(m + '.py' for m in missing)}")
-    data = b"".join(open(os.path.join(root, m + ".py"), "rb").read() for m in MODULES)
+    data = b"".join(open(f, "rb").read() for f in files)
     return (torch.frombuffer(bytearray(data), dtype=torch.uint8).long(),
             hashlib.sha256(data).hexdigest(), root)
 

@@ -97,3 +97,24 @@ def test_committed_counts_equal_dflash_generate(monkeypatch):
         assert mine[:-1] == ref_counts[:len(mine) - 1], \
             f"prompt {i}: committed per iteration {mine} vs {ref_counts}"
         assert sum(mine) == new - 1 and sum(ref_counts) >= new - 1
+
+
+def test_corpus_reads_modules_that_became_packages(tmp_path, monkeypatch):
+    """Python 3.12 made zipfile a package (zipfile/__init__.py): the corpus takes either form and
+    names what is missing (the H200's 3.12 stopped the demo on 2026-12-01 before this)."""
+    import sysconfig
+
+    from dflash_ops import train_tiny as tt
+    for i, m in enumerate(tt.MODULES):
+        if m == "zipfile":
+            (tmp_path / m).mkdir()
+            (tmp_path / m / "__init__.py").write_bytes(b"z" * 3)
+        else:
+            (tmp_path / f"{m}.py").write_bytes(bytes([97 + i % 26]))
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
+    ids, sha, root = tt.corpus()
+    assert root == str(tmp_path) and ids.numel() == len(tt.MODULES) - 1 + 3
+    assert ids[-3:].tolist() == [ord("z")] * 3  # zipfile last, from its package
+    (tmp_path / "abc.py").unlink()
+    with pytest.raises(FileNotFoundError, match="lacks abc.py"):
+        tt.corpus()
