@@ -5,6 +5,8 @@ checkpoints (a missing convolution tensor, a wrong-rank kernel, a group size tha
 divide H) give named errors."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,6 +18,7 @@ from dflash_ops.bench.drafter import RefHead  # noqa: E402
 from dflash_ops.models import DFlashConfig  # noqa: E402
 from dflash_ops.models.drafter import DFlashDrafter  # noqa: E402
 from dflash_ops.models.weights import load_state, save_speculators, save_zlab  # noqa: E402
+from tests.test_reference import assert_rule  # noqa: E402
 
 H, VOCAB, MASK = 64, 101, 100
 
@@ -53,8 +56,13 @@ def reference(d, seed):
 
 def run(d, fmt, tmp_path, seed=0, steps=(7, 2, 4, 1, 3), device="cpu", dtype=torch.float32,
         tol=2e-4):
-    """Reference (fp32, CPU) vs ours (``dtype`` on ``device``, the default backends)."""
+    """Reference (fp32, CPU) vs ours (``dtype`` on ``device``, the default backends). fp32:
+    logits within ``tol`` and drafted paths equal. Lower precision: the 2x rule (our logits'
+    max error from the fp32 reference at most twice that of the same reference run in
+    ``dtype`` on ``device``, plus one ulp of the largest logit); paths may part at near-ties."""
     ref = reference(d, seed)
+    low = dtype != torch.float32
+    ref_lo = copy.deepcopy(ref).to(device=device, dtype=dtype) if low else None
     state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     (save_zlab if fmt == "zlab" else save_speculators)(tmp_path, d, state)
     cfg = DFlashConfig.from_pretrained(tmp_path)
@@ -68,6 +76,7 @@ def run(d, fmt, tmp_path, seed=0, steps=(7, 2, 4, 1, 3), device="cpu", dtype=tor
     req = torch.tensor([1], device=device)
     bsz = cfg.block_size
     cache = dm._make_cache(ref.config)
+    cache_lo = dm._make_cache(ref_lo.config) if low else None
     gen = torch.Generator().manual_seed(seed + 1)
     start, tok = 0, 5
     with torch.no_grad():
@@ -84,9 +93,18 @@ def run(d, fmt, tmp_path, seed=0, steps=(7, 2, 4, 1, 3), device="cpu", dtype=tor
             want_logits = ref.compute_logits(hid, RefHead(head))
             want_path, _, _ = ref.propose(hid, ids[:, 0], RefHead(head), 0.0)
             drafts, got = ours.propose(ids.to(device), req, torch.tensor([start], device=device))
-            torch.testing.assert_close(got.float().cpu(), want_logits, atol=tol, rtol=tol,
-                                       msg=lambda m: f"step {step}: {m}")
-            if dtype == torch.float32:
+            if low:
+                lo = dict(device=device, dtype=dtype)
+                hid_lo = ref_lo(target_hidden=f.to(**lo),
+                                noise_embedding=F.embedding(ids, embed).to(**lo),
+                                position_ids=pos.to(device), past_key_values=cache_lo,
+                                use_cache=True)[:, 1 - bsz:, :]
+                dm._crop_to(cache_lo, start)
+                lo_logits = ref_lo.compute_logits(hid_lo, RefHead(head.to(**lo)))
+                assert_rule(got.cpu(), want_logits, lo_logits.cpu(), what=f"step {step} logits")
+            else:
+                torch.testing.assert_close(got.float().cpu(), want_logits, atol=tol, rtol=tol,
+                                           msg=lambda m: f"step {step}: {m}")
                 assert torch.equal(drafts.cpu(), want_path), (step, drafts, want_path)
             tok = int(want_path[0, 0])
 
@@ -96,13 +114,20 @@ def test_dflash2_parity(fmt, tmp_path):
     run(cfg_dict(), fmt, tmp_path)
 
 
+def test_dflash2_parity_bf16_cpu(tmp_path):
+    """bf16 on the CPU (torch backends) under the 2x rule: the rule itself is exercised in CI."""
+    run(cfg_dict(block_size=8, k=3, gs=8, top_k=6), "zlab", tmp_path, seed=4,
+        dtype=torch.bfloat16)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3), (torch.bfloat16, 6e-2)],
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3), (torch.bfloat16, None)],
                          ids=["fp32", "bf16"])
 def test_dflash2_parity_gpu(tmp_path, dtype, tol):
     """The same on the GPU (default backends: Triton conv and selector, CUDA attention); fp32:
-    logits close and paths equal; bf16: logits to the bf16 tolerance (paths may part at
-    near-ties)."""
+    logits close and paths equal; bf16: the 2x rule against the reference run in bf16 on the
+    GPU (a fixed 0.06 failed there on 2026-12-01: 0.127 off, the bf16 reference itself rounds
+    each conv tap)."""
     run(cfg_dict(block_size=8, k=3, gs=8, top_k=6), "zlab", tmp_path, seed=4, device="cuda",
         dtype=dtype, tol=tol)
 
