@@ -84,6 +84,66 @@ def step_cost2(cfg, batch: int, context: int, itemsize: int = 2) -> dict:
     return cost
 
 
+def walk_margins(selector, hidden, z, anchor, path, top_k: int) -> tuple:
+    """(gap [R, J], pairwise scale [R, J]) along the walk that drew ``path``: at each position
+    the selector score's best minus second best (fp32, over the top-``top_k`` candidates of
+    ``z``, the previous token being ``path``'s) and the largest |pairwise term| there."""
+    pred_cb, succ_cb, proj = selector
+    unary, cand = torch.topk(z, top_k, dim=-1)
+    hp = torch.nn.functional.linear(hidden, proj).float()
+    prev, gaps, scales = anchor.long(), [], []
+    for j in range(path.shape[1]):
+        pair = torch.einsum("rd,rkd->rk", pred_cb[prev].float() * hp[:, j],
+                            succ_cb[cand[:, j]].float())
+        top2 = (unary[:, j].float() + pair).topk(min(2, top_k), dim=-1).values
+        gaps.append(top2[:, 0] - top2[:, -1])
+        scales.append(pair.abs().amax(-1))
+        prev = path[:, j]
+    return torch.stack(gaps, 1), torch.stack(scales, 1)
+
+
+def path_agreement(paths, logits, want_paths, want_logits, gap, pair_scale,
+                   tol: float) -> tuple:
+    """``bench.drafter.agreement`` for a walk: logits within ``tol`` x max |want|; each request's
+    path compared up to its first difference (after it the walks start from different tokens
+    and nothing is comparable), which must be a near tie of the reference walk: its score gap
+    there at most twice the perturbation (that row's max |dz| plus one bf16 rounding, 2^-8, of
+    its largest pairwise term)."""
+    z, w = logits.float(), want_logits.float()
+    dz = (z - w).abs()
+    err = dz.max().item()
+    limit = tol * w.abs().max().item()
+    differ = paths.reshape(want_paths.shape) != want_paths  # [R, J]
+    rows = differ.any(-1)
+    first = differ.float().argmax(-1)  # the first differing position of each request
+    at = lambda t: t.gather(1, first[:, None])[:, 0]  # noqa: E731
+    tie = at(gap) <= 2 * (at(dz.amax(-1)) + at(pair_scale) * 2.0 ** -8)
+    bad = int((rows & ~tie).sum())
+    ok = err <= limit and bad == 0  # a NaN err fails
+    note = (f"max |dz| {err:.3g} (tol {limit:.3g}); paths: {int(rows.sum())} of {rows.numel()} "
+            f"requests part, {bad} not at a near tie of the walk")
+    return ok, err, note
+
+
+def _eager_walk(drafter, inp: dict, eager_step) -> tuple:
+    """(path, logits, gap, pair scale): the eager step with the selector's inputs recorded."""
+    seen = {}
+    select = drafter.select
+
+    def record(hidden, z, anchor, *a, **kw):
+        seen.update(hidden=hidden.clone(), z=z.clone(), anchor=anchor.clone())
+        return select(hidden, z, anchor, *a, **kw)
+
+    drafter.select = record
+    try:
+        path, z = (x.clone() for x in eager_step(drafter, inp))
+    finally:
+        del drafter.select  # back to the class's method
+    gap, scale = walk_margins(drafter.selector, seen["hidden"], seen["z"], seen["anchor"], path,
+                              drafter.cfg.selector_top_k)
+    return path, z, gap, scale
+
+
 def run(quick: bool = False) -> Results:
     if not torch.cuda.is_available():
         raise RuntimeError("dflash2-step suite: needs a CUDA GPU; nothing was run.")
@@ -119,10 +179,17 @@ def run(quick: bool = False) -> Results:
                 try:
                     drafter = build_drafter(cfg, states[name], embed, head, b, s, "cuda")
                     inp = step_inputs(cfg, b, s, "cuda", new=cfg.block_size)
-                    want_t, want_z = (x.clone() for x in eager_step(drafter, inp))
+                    if cfg.model_type == "dflash2":
+                        want_t, want_z, gap, scale = _eager_walk(drafter, inp, eager_step)
+                    else:
+                        want_t, want_z = (x.clone() for x in eager_step(drafter, inp))
                     step, bucket = graph_step(drafter, inp, b)
                     got_t, got_z = step.run(bucket)
-                    ok, err, note = agreement(got_t, got_z, want_t, want_z, GRAPH_TOL)
+                    if cfg.model_type == "dflash2":
+                        ok, err, note = path_agreement(got_t, got_z, want_t, want_z, gap, scale,
+                                                       GRAPH_TOL)
+                    else:
+                        ok, err, note = agreement(got_t, got_z, want_t, want_z, GRAPH_TOL)
                     if ok:
                         t = time_fn(lambda: step.run(bucket), graph=False, **timing)
                     else:
@@ -148,7 +215,9 @@ def run(quick: bool = False) -> Results:
         "selector walk / (DFlash) argmax; random bf16 weights, target embedding / LM head "
         "random [248320, 5120]",
         "timing: per-call CUDA events around one graph replay (do_bench median, L2 wiped)",
-        "checks before timing: graph vs eager of the same drafter (max |dz| <= 0.02 max |z|, "
-        "drafts equal outside near ties); a failing column is not timed",
+        "checks before timing: graph vs eager of the same drafter (max |dz| <= 0.02 max |z|; "
+        "DFlash: drafts equal outside near ties of the logits; DFlash 2: each request's path "
+        "equal up to its first difference, which must be a near tie of the selector's score); "
+        "a failing column is not timed",
     ]
     return res
