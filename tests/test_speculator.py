@@ -300,6 +300,26 @@ def _exact_joint(target, prompt, n, temperature, top_k):
     return joint
 
 
+def assert_matches_joint(counts: dict, total: int, want: dict) -> None:
+    """Chi-square of the observed sequence counts against the exact joint ``want`` at 0.1%
+    significance (cells with expected count < 5 pooled); no sequence outside its support."""
+    assert set(counts) <= {k for k, v in want.items() if v > 0}, "a token outside the support"
+    stat, df, pool_e, pool_o = 0.0, -1, 0.0, 0
+    for k, pk in want.items():
+        e, o = pk * total, counts.get(k, 0)
+        if e < 5:
+            pool_e, pool_o = pool_e + e, pool_o + o
+            continue
+        stat += (o - e) ** 2 / e
+        df += 1
+    if pool_e > 0:
+        stat += (pool_o - pool_e) ** 2 / pool_e
+        df += 1
+    z = 3.09  # the 0.999 quantile of N(0, 1); Wilson-Hilferty for the chi-square quantile
+    limit = df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+    assert stat < limit, f"chi-square {stat:.1f} >= {limit:.1f} (df {df}); counts {counts}"
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("top_k,drafter_kind", [(0, "dflash"), (3, "dflash"), (0, "dflash2"),
                                                 (3, "dflash2")])
@@ -322,22 +342,7 @@ def test_sampling_matches_target_distribution(top_k, drafter_kind, device):
         for o in got:
             counts[tuple(o)] = counts.get(tuple(o), 0) + 1
             total += 1
-    assert set(counts) <= {k for k, v in want.items() if v > 0}, "a token outside the support"
-    # cells with expected count < 5 are pooled
-    stat, df, pool_e, pool_o = 0.0, -1, 0.0, 0
-    for k, pk in want.items():
-        e, o = pk * total, counts.get(k, 0)
-        if e < 5:
-            pool_e, pool_o = pool_e + e, pool_o + o
-            continue
-        stat += (o - e) ** 2 / e
-        df += 1
-    if pool_e > 0:
-        stat += (pool_o - pool_e) ** 2 / pool_e
-        df += 1
-    z = 3.09  # the 0.999 quantile of N(0, 1); Wilson-Hilferty for the chi-square quantile
-    limit = df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
-    assert stat < limit, f"chi-square {stat:.1f} >= {limit:.1f} (df {df}); counts {counts}"
+    assert_matches_joint(counts, total, want)
     # the drafter is random: both acceptances and rejections happened
     assert min(accepted) >= 1 and max(accepted) >= 2, accepted[:20]
 

@@ -341,8 +341,10 @@ def measure_real_loop(target, drafter, batch: int, prompt_len: int = LOOP_PROMPT
         prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
                    for _ in range(batch)]
         t0 = time.perf_counter()
+        # policy off: this measures the drafting loop itself (the policy would decode here:
+        # random weights accept nothing)
         _, st = speculative_generate(target, drafter, prompts, new_tokens, block_size=BLOCK,
-                                     steps="graphs", time_stages=False)
+                                     steps="graphs", time_stages=False, policy=False)
         total = time.perf_counter() - t0
         loop_s = st.seconds["draft"] + st.seconds["verify"] + st.seconds["accept"]
         it = max(1, st.iterations)

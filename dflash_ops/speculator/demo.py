@@ -183,14 +183,15 @@ def _plain_greedy_timed(target, prompts, max_new_tokens):
     return tokens, time.perf_counter() - t0
 
 
-def _speculative_timed(target, drafter, prompts, max_new_tokens, steps, time_stages):
+def _speculative_timed(target, drafter, prompts, max_new_tokens, steps, time_stages,
+                       policy=True):
     """(tokens, Stats, seconds without graph capture) of one speculative_generate run."""
     from .loop import speculative_generate
 
     _sync(target.device)
     t0 = time.perf_counter()
     tokens, st = speculative_generate(target, drafter, prompts, max_new_tokens, steps=steps,
-                                      time_stages=time_stages)
+                                      time_stages=time_stages, policy=policy)
     _sync(target.device)
     return tokens, st, time.perf_counter() - t0 - st.seconds["capture"]
 
@@ -288,19 +289,21 @@ def _run(args) -> int:
     stage_times = not args.no_stage_times
     _say("warm-up: plain greedy, DFlash ...")
     baseline(target, prompts, n_new)
-    _speculative_timed(target, drafter, prompts, n_new, args.steps, False)
+    policy = args.policy == "on"
+    _speculative_timed(target, drafter, prompts, n_new, args.steps, False, policy)
     _say("timed: plain greedy, DFlash ...")
     want, t_plain = baseline(target, prompts, n_new)
     # On the CPU stage timing adds no synchronisation, so the timed run also gives the stages.
     got, st, t_spec = _speculative_timed(target, drafter, prompts, n_new, args.steps,
-                                         stage_times and not on_cuda)
+                                         stage_times and not on_cuda, policy)
     stages = st.seconds
     if stage_times and on_cuda:
         _say("one more DFlash run, synchronising after each stage ...")
-        stages = _speculative_timed(target, drafter, prompts, n_new, args.steps, True)[1].seconds
+        stages = _speculative_timed(target, drafter, prompts, n_new, args.steps, True,
+                                    policy)[1].seconds
 
     accepted = sum(a - 1 for a in st.acceptance)
-    proposed = (block - 1) * len(st.acceptance)
+    proposed = st.drafted
     speedup = t_plain / t_spec
     print()
     print(f"{'':24} {'plain greedy':>14} {'DFlash':>14}")
@@ -313,6 +316,10 @@ def _run(args) -> int:
     print(f"{'host syncs / iteration':24} {'':>14} "
           f"{st.host_syncs / max(1, st.iterations):>14.2f}")
     print(f"{'acceptance length':24} {'1.00':>14} {st.mean_acceptance:>14.2f}")
+    if policy:
+        chosen = ", ".join(f"{'decode' if b == 1 else f'block {b}'} {k}"
+                           for b, k in sorted(st.blocks.items(), reverse=True))
+        print(f"{'policy: iterations':24} {'':>14} {chosen:>14}")
     print(f"{'drafts accepted':24} {'':>14} {f'{accepted}/{proposed}':>14}")
     print(f"{'speedup':24} {'1.00x':>14} {speedup:>13.2f}x")
     if stage_times:
@@ -325,9 +332,13 @@ def _run(args) -> int:
           + ("; time per stage from one more run, synchronised after each stage"
              if stage_times and on_cuda else ""))
     per_iter = (t_spec / max(1, st.iterations)) / (t_plain / n_new)
-    print(f"acceptance length: tokens committed a request an iteration; an iteration (draft "
-          f"step + {block}-token verify) took as long as {per_iter:.2f} plain decode steps")
-    if speedup < 1 and not args.target:
+    print(f"acceptance length: tokens committed a request a drafting iteration; an iteration "
+          f"took as long as {per_iter:.2f} plain decode steps on average")
+    if policy:
+        print("policy (--policy on): each iteration drafts a block or decodes one token, "
+              "whichever its measured costs and the requests' acceptance make faster; "
+              "--policy off always drafts")
+    if speedup < 1 and not args.target and not policy:
         print(f"speedup below 1: {st.iterations} iterations (the batch runs until its slowest "
               f"request is done) at {per_iter:.2f} decode steps each cost more than plain "
               f"greedy's {n_new} decode steps; the tiny pair's steps are launch-bound, so a "
@@ -375,6 +386,10 @@ def add_parser(sub) -> None:
                    help="the loop's draft/verify calls: direct, static-buffer steps, or those "
                         "steps captured as CUDA graphs (default: auto = graphs on CUDA, else "
                         "direct)")
+    p.add_argument("--policy", choices=["on", "off"], default="on",
+                   help="speculate only where it pays: each iteration drafts or decodes, "
+                        "whichever is faster by the measured step costs and the acceptance so "
+                        "far (default: %(default)s; off: always draft)")
     p.add_argument("--threads", type=int_at_least(1), default=None,
                    help="CPU threads of torch on the CPU (default: 1 for the built-in pair, "
                         "whose ops are too small to split; torch's own for checkpoints)")

@@ -29,7 +29,7 @@ from ..ops.loop import prepare_step_
 class DraftStep:
     def __init__(self, drafter: DFlashDrafter, max_batch: int, scratch_request: int,
                  block_size: Optional[int] = None, logits: bool = True,
-                 select_temperature: float = 0.0):
+                 select_temperature: float = 0.0, own_scratch: bool = True):
         cfg = drafter.cfg
         self.want_logits = logits  # False (greedy): ``logits`` is None, argmax on the raw output
         # DFlash 2 sampling: the selector draws the drafts from the uniforms ``u`` (filled by
@@ -57,8 +57,11 @@ class DraftStep:
         self._graphs: Dict[int, torch.cuda.CUDAGraph] = {}
         self._outs: Dict[int, tuple] = {}
         # padded block rows run at positions [0, B) of this slot: nobody reads its blocks (taken
-        # last, so a failure above leaves the cache as it was)
-        drafter.cache.add_request(scratch_request, self.b)
+        # last, so a failure above leaves the cache as it was); own_scratch=False: the caller
+        # holds the slot (with room for B positions) for several steps
+        self.own_scratch = own_scratch
+        if own_scratch:
+            drafter.cache.add_request(scratch_request, self.b)
 
     def bucket(self, n: int) -> int:
         """The padded batch size for n requests: the next power of two, at most max_batch."""
@@ -108,8 +111,9 @@ class DraftStep:
         return bucket
 
     def close(self) -> None:
-        """Give the scratch request slot back to the drafter's cache."""
-        self.drafter.cache.free_request(self.scratch)
+        """Give the scratch request slot back to the drafter's cache (if this step took it)."""
+        if self.own_scratch:
+            self.drafter.cache.free_request(self.scratch)
 
     def _step(self, bucket: int) -> tuple:
         d = self.drafter

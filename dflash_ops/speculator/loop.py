@@ -10,6 +10,11 @@ accepted by speculative rejection sampling against the target, so the output has
 sampling distribution exactly (tests/test_speculator.py checks it with a chi-square test);
 greedy output equals ``plain_greedy`` (target-only decoding, one token a step) token for token.
 
+The policy (on by default, ``speculator.policy``) picks each iteration's block size among
+``policy_blocks`` (default: 1 and the block size; 1 is a plain decode step that also adds the
+committed token's tap hidden states to the drafter's context), for the most expected tokens a
+second; every choice is lossless. ``policy=False`` always drafts a whole block.
+
 Steps: ``"direct"`` calls the models; ``"static"`` runs the draft and verify as static-buffer
 steps (``draft_step.DraftStep``, ``verify_step.VerifyStep``), the CPU test of ``"graphs"``,
 which captures them as one CUDA graph per bucket on first use; ``"auto"`` (the default) is
@@ -20,12 +25,14 @@ context rows then map to slot -1 and are written nowhere.
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Callable, List, Optional, Sequence
 
 import torch
 
 from .draft_step import DraftStep
-from .step import Iteration, Sampling, State, Stats, check_pair, sync_device
+from .policy import Policy
+from .step import DecodeIteration, Iteration, Sampling, State, Stats, check_pair, sync_device
 from .verify_step import VerifyStep
 
 
@@ -134,18 +141,64 @@ def _resolve_steps(steps: str, target, drafter, n: int) -> str:
     return steps
 
 
-def _open_steps(target, drafter, n: int, block: int, logits: bool,
-                select_temperature: float = 0.0) -> tuple:
-    """(DraftStep, VerifyStep) for n requests, each taking request slot n as its scratch slot;
-    nothing stays taken if one cannot."""
-    dstep = DraftStep(drafter, max_batch=n, scratch_request=n, block_size=block, logits=logits,
-                      select_temperature=select_temperature)
-    try:
-        return dstep, VerifyStep(target, max_batch=n, block_size=block, scratch_request=n,
-                                 tap_layers=drafter.cfg.target_layer_ids, logits=logits)
-    except BaseException:
-        dstep.close()
-        raise
+class _Steps:
+    """The static steps of every block size the loop may run, for n requests: for b >= 2 a
+    (DraftStep, VerifyStep) pair, for b = 1 (decoding) (None, VerifyStep of one row). They
+    share one scratch request slot, n (the first past the batch), held here with room for the
+    largest block in both caches; ``close()`` closes the steps and gives the slot back. Nothing
+    stays taken if a step cannot be built."""
+
+    def __init__(self, target, drafter, n: int, blocks: Sequence[int], logits: bool,
+                 select_temperature: float = 0.0):
+        self.target, self.drafter, self.n = target, drafter, n
+        self.pairs, self._held = {}, []
+        try:
+            big = max(blocks)
+            target.add_request(n, big)
+            self._held.append(target)
+            if big > 1:
+                drafter.cache.add_request(n, big)
+                self._held.append(drafter.cache)
+            for b in sorted(blocks, reverse=True):
+                dstep = None if b == 1 else DraftStep(
+                    drafter, max_batch=n, scratch_request=n, block_size=b, logits=logits,
+                    select_temperature=select_temperature, own_scratch=False)
+                self.pairs[b] = (dstep, VerifyStep(
+                    target, max_batch=n, block_size=b, scratch_request=n, own_scratch=False,
+                    tap_layers=drafter.cfg.target_layer_ids, logits=logits or b == 1))
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for pair in self.pairs.values():
+            for s in pair:
+                if s is not None:
+                    s.close()
+        self.pairs = {}
+        for c in self._held:
+            c.free_request(self.n)
+        self._held = []
+
+
+# drafter -> {(id(target), steps, sampling, blocks): (cost, warm, pair acceptance)}: the
+# policy's measured step costs and the pair's acceptance, kept for the next call on the same
+# pair (a warm-up call measures them)
+_POLICY_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _policy_blocks(fn: str, policy: bool, policy_blocks, bsz: int) -> list:
+    """The block sizes the loop may run: [bsz] with the policy off, else policy_blocks (default
+    1 and bsz), each in [1, bsz]."""
+    if not policy:
+        return [bsz]
+    if policy_blocks is None:
+        return [1, bsz]
+    blocks = sorted(set(int(b) for b in policy_blocks))
+    if not blocks or blocks[0] < 1 or blocks[-1] > bsz:
+        raise ValueError(f"{fn}: policy_blocks must be block sizes in [1, {bsz}] (1: decode "
+                         f"without drafting; at most block_size), got {list(policy_blocks)}")
+    return blocks
 
 
 def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -153,7 +206,8 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
                          on_iteration: Optional[Callable[[int], None]] = None,
                          temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                          generator: Optional[torch.Generator] = None, time_stages: bool = True,
-                         steps: str = "auto"):
+                         steps: str = "auto", policy: bool = True,
+                         policy_blocks: Optional[Sequence[int]] = None):
     """(new tokens per prompt, Stats): DFlash decoding. Greedy (temperature 0) equals
     ``plain_greedy``; with temperature > 0 the output follows the target's sampling
     distribution (speculative rejection sampling). ``generator``: a torch.Generator on the
@@ -163,6 +217,13 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
     request finishes). ``steps``: "direct", "static" or "graphs" (module docstring); "auto" is
     "graphs" on CUDA when both caches have a spare request slot (max_requests > batch) with
     room for one block, else "direct" (Stats.steps says which ran).
+
+    ``policy`` (on by default): each iteration runs the block size, among ``policy_blocks``
+    (default: 1, i.e. a plain decode step that keeps the drafter's context current, and
+    ``block_size``), with the most expected tokens a second for the active requests, from their
+    running acceptance and the iterations' measured cost (``policy.Policy``); every choice is
+    lossless, so the output is the same; ``Stats.blocks`` counts the iterations per block size.
+    ``policy=False``: always ``block_size`` (as the reference DFlash loop).
 
     ``max_new_tokens`` (>= 1): the tokens a prompt gets, fewer where a stop token ends it;
     ``block_size``: None for the drafter config's, else >= 2. Bad arguments (those, no or empty
@@ -178,6 +239,7 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
     bsz = cfg.block_size if block_size is None else block_size
     if bsz < 2:
         raise ValueError(f"{fn}: block_size must be >= 2 (or None), got {bsz}")
+    blocks = _policy_blocks(fn, policy, policy_blocks, bsz)
     _check_requests(fn, [("target", target.cache), ("drafter", drafter.cache)], prompts,
                     max_new_tokens, target.cfg.vocab_size, max_new_tokens + bsz + 1)
     auto = steps == "auto"
@@ -202,13 +264,13 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
             try:
                 sel_t = (sampling.temperature if sampling is not None
                          and getattr(drafter, "selector", None) is not None else 0.0)
-                pair = _open_steps(target, drafter, n, bsz, logits=sampling is not None,
-                                   select_temperature=sel_t)
+                pair = _Steps(target, drafter, n, blocks, logits=sampling is not None,
+                              select_temperature=sel_t)
             except (ValueError, RuntimeError) as e:
                 if not auto:
                     raise ValueError(f"speculative_generate(steps={steps!r}): the steps need "
                                      f"a spare request slot ({n}, past the batch of {n}) with "
-                                     f"{bsz} positions in both caches (max_requests >= "
+                                     f"{max(blocks)} positions in both caches (max_requests >= "
                                      f"{n + 1}); or use steps='direct'. Cause: {e}") from e
                 steps = stats.steps = "direct"  # auto: no room for the scratch slot
         t0 = time.perf_counter()
@@ -226,15 +288,34 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
         for r in range(n):
             if done[r]:
                 release(r)
-        step = Iteration(target, drafter, bsz, sampling=sampling, steps=pair,
-                         graphs=steps == "graphs", stats=stats, time_stages=time_stages)
-        committed, act = n, None
+        kw = dict(sampling=sampling, graphs=steps == "graphs", stats=stats,
+                  time_stages=time_stages)
+        its = {b: DecodeIteration(target, drafter, vstep=pair.pairs[1][1] if pair else None,
+                                  **kw) if b == 1 else
+               Iteration(target, drafter, b, steps=pair.pairs[b] if pair else None, **kw)
+               for b in blocks}
+        pol = None
+        if len(blocks) > 1:  # step costs remembered per drafter across calls
+            mem = _POLICY_COSTS.setdefault(drafter, {}).setdefault(
+                (id(target), steps, sampling is not None, tuple(blocks)), ({}, set(), [0.0, 0.0]))
+            pol = Policy(blocks, n, memory=mem)
+        lengths = [len(p) + 1 for p in prompts]  # each request's positions, on the host
+        committed, act, b = n, None, blocks[-1]
         while not all(done):
             now = [r for r in range(n) if not done[r]]
             if now != act:
                 act, rows = now, torch.tensor(now, device=dev)
-            fin, kept = step(state, rows)
-            for r, f in zip(act, fin):
+                bucket = min(n, 1 << (len(act) - 1).bit_length())
+            if pol is not None:
+                longest = max(lengths[r] for r in act)
+                b = pol.choose(act, bucket, longest)
+                t, cap = time.perf_counter(), stats.seconds["capture"]
+            fin, kept = its[b](state, rows)
+            if pol is not None:
+                spent = time.perf_counter() - t - (stats.seconds["capture"] - cap)
+                pol.observe(b, bucket, longest, spent, act, kept, fin)
+            for r, f, k in zip(act, fin, kept):
+                lengths[r] += k
                 if f:
                     done[r] = True
                     release(r)
@@ -248,5 +329,5 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
     finally:
         for r in list(owned):
             release(r)
-        for s in pair or ():
-            s.close()
+        if pair is not None:
+            pair.close()

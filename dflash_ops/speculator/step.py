@@ -48,6 +48,9 @@ class Stats:
     host_syncs: int = 0  # device-to-host reads, and synchronisations on CUDA
     steps: str = "direct"
     acceptance: List[int] = field(default_factory=list)  # tokens committed per request-iteration
+    # (drafting iterations only; decode iterations of the policy commit one token each)
+    drafted: int = 0  # drafts proposed: block - 1 per request of each drafting iteration
+    blocks: dict = field(default_factory=dict)  # iterations per block size (1: decode, policy)
     seconds: dict = field(default_factory=lambda: {"prefill": 0.0, "draft": 0.0,
                                                    "verify": 0.0, "accept": 0.0,
                                                    "capture": 0.0})
@@ -205,7 +208,10 @@ class Iteration:
         st.seconds["draft"] += t1 - t0
         st.seconds["verify"] += t2 - t1
         st.seconds["accept"] += t3 - t2
-        st.acceptance.extend(flags[1])
+        if self.b > 1:
+            st.acceptance.extend(flags[1])
+            st.drafted += (self.b - 1) * len(flags[1])
+        st.blocks[self.b] = st.blocks.get(self.b, 0) + 1
         st.iterations += 1
         return [bool(f) for f in flags[0]], flags[1]
 
@@ -234,6 +240,8 @@ class Iteration:
         # DFlash 2 sampling: the selector draws the drafts and gives q (not softmax(logits))
         select = self.sampling is not None and getattr(self.drafter, "selector", None) is not None
         if self.dstep is not None:  # the block and context rows: one prepare_step_ launch
+            if state.pending[2].shape[1] != self.b:  # a verify of another block size
+                flush_pending(self.drafter, state, self.b)
             bucket = self.dstep.load_next(rows, state.last, state.start, *state.pending)
             if select:  # the uniforms, drawn eagerly into the static buffer
                 self.dstep.u[:bucket].uniform_(generator=self.sampling.generator)
@@ -301,4 +309,42 @@ class Iteration:
         else:
             self.drafter.add_context(taps, rows[:, None].expand(-1, self.b).reshape(-1),
                                      ctx_pos.reshape(-1))
+        return kept, fin
+
+
+def flush_pending(drafter, state: State, block: int) -> None:
+    """Add ``state.pending`` (the last verify's committed rows, kept for a draft step) to the
+    drafter's context now and leave it empty for a step of ``block`` rows a request: the policy
+    switched block size or decodes (a draft step takes pending rows of its own block size)."""
+    taps, rows, pos = state.pending
+    if taps.shape[0]:
+        drafter.add_context(taps, rows[:, None].expand(-1, pos.shape[1]).reshape(-1),
+                            pos.reshape(-1))
+    long = dict(dtype=torch.long, device=taps.device)
+    state.pending = (taps[:0], torch.zeros(0, **long), torch.zeros(0, block, **long))
+
+
+class DecodeIteration(Iteration):
+    """The policy's iteration without drafting: the target's decode step on each request's last
+    token (``vstep``: a VerifyStep of block 1, graphed with ``graphs``; None: a direct call),
+    its token committed by ``greedy_commit`` (sampling: drawn from the target's distribution
+    first), the committed row's tap hidden states added to the drafter's context at once, after
+    any pending rows: plain decoding that keeps the drafter ready to draft again."""
+
+    def __init__(self, target, drafter, *, sampling: Optional[Sampling] = None, vstep=None,
+                 graphs: bool = False, stats: Optional[Stats] = None, time_stages: bool = False):
+        super().__init__(target, drafter, 1, sampling=sampling, steps=(None, vstep),
+                         graphs=graphs, stats=stats, time_stages=time_stages)
+
+    def _draft(self, state: State, rows: torch.Tensor) -> tuple:
+        flush_pending(self.drafter, state, 1)
+        return torch.zeros(rows.shape[0], 0, dtype=torch.long, device=self.device), None, 0.0
+
+    def _commit(self, state: State, rows, block, post, logits, q, taps) -> tuple:
+        s = state
+        if self.sampling is not None:  # one token from p: the commit of a block without drafts
+            post = self.sampling.draw(self.sampling.probs(logits))
+        kept, fin, ctx_pos = greedy_commit(block, post, rows, s.n_out, s.start, s.last,
+                                           s.out_tokens, s.stop, s.max_new)
+        self.drafter.add_context(taps, rows, ctx_pos.reshape(-1))
         return kept, fin

@@ -21,7 +21,7 @@ from ..ops.loop import prepare_step_
 
 class VerifyStep:
     def __init__(self, target, max_batch: int, block_size: int, tap_layers: Sequence[int],
-                 scratch_request: int, logits: bool = True):
+                 scratch_request: int, logits: bool = True, own_scratch: bool = True):
         dev = target.device
         self.want_logits = logits  # False (greedy): ``logits`` is None, argmax on model dtype
         self.target, self.max_batch, self.b = target, max_batch, block_size
@@ -33,7 +33,9 @@ class VerifyStep:
         self.q_lens = torch.full((max_batch,), block_size, dtype=torch.long, device=dev)
         self._graphs: Dict[int, torch.cuda.CUDAGraph] = {}
         self._outs: Dict[int, tuple] = {}
-        target.add_request(scratch_request, block_size)  # last: a failure above changes nothing
+        self.own_scratch = own_scratch  # False: the caller holds the slot for several steps
+        if own_scratch:  # last: a failure above changes nothing
+            target.add_request(scratch_request, block_size)
 
     def bucket(self, n: int) -> int:
         if not 0 < n <= self.max_batch:
@@ -64,8 +66,9 @@ class VerifyStep:
         return bucket
 
     def close(self) -> None:
-        """Give the scratch request slot back to the target's cache."""
-        self.target.free_request(self.scratch)
+        """Give the scratch request slot back to the target's cache (if this step took it)."""
+        if self.own_scratch:
+            self.target.free_request(self.scratch)
 
     def _step(self, bucket: int) -> tuple:
         logits, taps = self.target.forward(self.ids[:bucket].reshape(-1),

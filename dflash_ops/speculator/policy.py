@@ -1,0 +1,150 @@
+"""Speculation that pays: the loop's choice, each iteration, of a block size or of no drafting.
+
+Every choice is lossless (a draft-and-verify iteration of any block size, or a plain decode
+step, commits tokens the target would have produced), so the policy only decides speed. For
+the active requests it picks the option with the most expected tokens a second:
+
+    rate(b) = sum over requests of E_r(b) / cost(b, bucket, context)
+
+- ``E_r(b)``, the tokens request r commits with block b: 1 + a + ... + a^(b-1) = (1 - a^b) /
+  (1 - a) under a geometric model of acceptance, a = the request's running rate at which a
+  draft is accepted given the previous one was (accepted drafts over drafts judged: a
+  rejection is judged, drafts after it are not), decayed so that it follows the text, from a
+  prior of one accepted and one rejected draft. b = 1 is plain decoding: exactly one token.
+- ``cost``: the seconds of one iteration of that option for this batch bucket (the steps'
+  padded batch) and context bucket (the next power of two of the longest active request), the
+  wall time the loop measures around the iteration (which ends in the loop's one host read),
+  capture excluded. The first run of an option in a batch bucket is a warm-up (autotuning,
+  the graph's first replay) and is not used. An option never run at a context bucket takes
+  its estimate from the nearest measured context bucket of the same batch bucket; an option
+  never run in a batch bucket is explored (run once to warm up, once to measure).
+- The costs and the pair's acceptance outlive a call: the loop keeps them per drafter (and target, steps mode and
+  sampling), so a warm-up call measures and later calls start from its table.
+- While it decodes, the acceptance rates cannot move: every ``probe`` consecutive decode
+  iterations it drafts once with the largest block to look again; the interval doubles (up
+  to 256) each time the probe leaves decoding the better choice, so a pair that never pays
+  costs a vanishing share of probes.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+PRIOR = (1.0, 2.0)  # (accepted, judged) drafts before any evidence: a = 0.5
+DECAY = 0.95        # weight of the past per observation of a request
+PAIR_DECAY = 0.99   # the same for the pair's acceptance over all requests (new ones' prior)
+PROBE_FIRST, PROBE_MAX = 8, 256
+
+
+def expected_tokens(a: float, b: int) -> float:
+    """1 + a + ... + a^(b-1): the tokens a block of b commits (b - 1 drafts + the target's)."""
+    if b <= 1:
+        return 1.0
+    if a >= 1.0:
+        return float(b)
+    return (1.0 - a ** b) / (1.0 - a)
+
+
+def context_bucket(longest: int) -> int:
+    return 1 << max(0, int(longest) - 1).bit_length()
+
+
+class Policy:
+    """``options``: the block sizes the loop can run (1: decode without drafting; others: a
+    draft of b - 1 tokens + a verify of b rows), ``n``: the request slots. ``choose`` before an
+    iteration, ``observe`` after it; ``decisions`` counts the iterations per block size."""
+
+    def __init__(self, options: Sequence[int], n: int, memory: Optional[tuple] = None):
+        """``memory``: (cost, warm, pair acceptance [accepted, judged]) of earlier runs of the
+        same pair and settings, shared and updated (the loop keeps one per drafter), so that a
+        later run starts measured and with the pair's acceptance as its requests' prior."""
+        opts = sorted(set(int(b) for b in options))
+        if not opts or opts[0] < 1:
+            raise ValueError(f"Policy: options must be block sizes >= 1, got {list(options)}")
+        self.options = opts
+        cost, warm, pair = memory if memory is not None else ({}, set(), [0.0, 0.0])
+        # the pair's acceptance over earlier requests (decayed), the prior of new ones
+        self.pair = pair
+        prior = (PRIOR[1] * pair[0] / pair[1], PRIOR[1]) if pair[1] > 0 else PRIOR
+        self.acc = [list(prior) for _ in range(n)]  # per request: (accepted, judged)
+        self.cost: Dict[Tuple[int, int], Dict[int, float]] = cost  # (b, bucket) -> {ctx: s}
+        self.warm: set = warm  # (b, bucket) whose warm-up run is done
+        self.decisions: Dict[int, int] = {b: 0 for b in opts}
+        self._decoding = 0  # consecutive decode iterations
+        self._probe = PROBE_FIRST
+        self._probing = False
+
+    # -- estimates -------------------------------------------------------------------------
+    def rate(self, r: int) -> float:
+        a, j = self.acc[r]
+        return a / j
+
+    def cost_of(self, b: int, bucket: int, ctx: int) -> Optional[float]:
+        by_ctx = self.cost.get((b, bucket))
+        if not by_ctx:
+            return None
+        if ctx in by_ctx:
+            return by_ctx[ctx]
+        near = min(by_ctx, key=lambda c: abs(c.bit_length() - ctx.bit_length()))
+        return by_ctx[near]
+
+    def rates(self, requests: Sequence[int], bucket: int, ctx: int) -> Dict[int, float]:
+        """Expected tokens a second of each option with a cost estimate."""
+        out = {}
+        for b in self.options:
+            c = self.cost_of(b, bucket, ctx)
+            if c is not None and c > 0:
+                out[b] = sum(expected_tokens(self.rate(r), b) for r in requests) / c
+        return out
+
+    # -- the choice --------------------------------------------------------------------------
+    def choose(self, requests: Sequence[int], bucket: int, longest: int) -> int:
+        ctx = context_bucket(longest)
+        # explore: an option without a measured cost in this bucket (largest block first)
+        for b in sorted(self.options, reverse=True):
+            if not self.cost.get((b, bucket)):
+                return self._take(b, probing=False)
+        rates = self.rates(requests, bucket, ctx)
+        best = max(rates, key=lambda b: (rates[b], b))
+        if best == 1 and len(self.options) > 1 and self._decoding >= self._probe:
+            return self._take(self.options[-1], probing=True)
+        return self._take(best, probing=False)
+
+    def _take(self, b: int, probing: bool) -> int:
+        self._probing = probing
+        self._decoding = self._decoding + 1 if b == 1 else 0
+        self.decisions[b] += 1
+        return b
+
+    def observe(self, b: int, bucket: int, longest: int, seconds: float,
+                requests: Sequence[int], committed: Sequence[int],
+                finished: Sequence[bool]) -> None:
+        """After an iteration of block ``b``: its wall time (capture excluded) and, per request,
+        the tokens it committed and whether it finished (a finished request's count may be cut
+        by max_new_tokens or a stop token: not evidence)."""
+        key = (b, bucket)
+        if key not in self.warm:
+            self.warm.add(key)  # the warm-up run: not a measurement
+        else:
+            by_ctx = self.cost.setdefault(key, {})
+            ctx = context_bucket(longest)
+            old = by_ctx.get(ctx)
+            by_ctx[ctx] = seconds if old is None else 0.7 * old + 0.3 * seconds
+        if b > 1:
+            for r, k, f in zip(requests, committed, finished):
+                if f:
+                    continue
+                accepted = max(0, int(k) - 1)
+                judged = accepted + (1 if accepted < b - 1 else 0)
+                for a, d in ((self.acc[r], DECAY), (self.pair, PAIR_DECAY)):
+                    a[0] = d * a[0] + accepted
+                    a[1] = d * a[1] + judged
+        if self._probing:
+            self._probing = False
+            rates = self.rates(requests, bucket, context_bucket(longest))
+            if rates and max(rates, key=lambda x: (rates[x], x)) == 1:
+                self._probe = min(PROBE_MAX, 2 * self._probe)  # still not worth it
+            else:
+                self._probe = PROBE_FIRST
+
+    def summary(self) -> List[str]:
+        return [f"block {b}: {n}" for b, n in self.decisions.items() if n]

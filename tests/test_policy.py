@@ -1,0 +1,208 @@
+"""The loop's policy (speculator.policy): its choice from acceptance and measured costs, and the
+loop running mixed block sizes and decode iterations. Every choice is lossless, so the output
+must equal plain greedy whatever the policy does; on the counter pair (whose drafts are all right
+once the drafter's context holds the tokens V + 1 back) every drafting iteration must accept its
+whole block, which only holds if decode iterations and block-size switches keep the drafter's
+context complete (the prompts are short enough that late blocks copy from rows the loop itself
+committed)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from dflash_ops.models.config import DFlashConfig
+from dflash_ops.models.drafter import DFlashDrafter
+from dflash_ops.models.synthetic import counter_pair, counter_prompts
+from dflash_ops.models.target import Target, TargetConfig
+from dflash_ops.speculator import policy as P
+from dflash_ops.speculator.loop import plain_greedy, speculative_generate
+
+SMALL = dict(hidden=128, vocab=64, target_layers=3, draft_layers=2, heads=4, kv_heads=2,
+             head_dim=32, intermediate=128, block_size=8)
+
+
+# ----------------------------------------------------------------------------- the policy
+def test_expected_tokens():
+    assert P.expected_tokens(0.3, 1) == 1.0
+    assert P.expected_tokens(0.0, 8) == 1.0
+    assert P.expected_tokens(1.0, 8) == 8.0
+    assert P.expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def _feed(pol, b, bucket, seconds, committed, n=2, times=1, longest=100):
+    for _ in range(times):
+        pol.observe(b, bucket, longest, seconds, list(range(n)), [committed] * n, [False] * n)
+
+
+def test_explores_each_option_twice_largest_first_then_takes_the_faster():
+    pol = P.Policy([1, 8], 2)
+    order = []
+    for _ in range(4):
+        b = pol.choose([0, 1], 2, 100)
+        order.append(b)
+        _feed(pol, b, 2, {8: 0.010, 1: 0.004}[b], 8 if b == 8 else 1)  # every draft accepted
+    assert order == [8, 8, 1, 1]  # the first run of each is a warm-up, not a measurement
+    assert pol.choose([0, 1], 2, 100) == 8  # ~8 tokens / 10 ms beats 1 / 4 ms
+
+
+def test_decodes_when_nothing_is_accepted_and_probes_ever_more_rarely():
+    pol = P.Policy([1, 8], 1)
+    for b in (8, 8, 1, 1):
+        assert pol.choose([0], 1, 50) == b
+        _feed(pol, b, 1, {8: 0.012, 1: 0.004}[b], 1, n=1)  # no draft accepted
+    picks = []
+    for _ in range(200):
+        b = pol.choose([0], 1, 50)
+        picks.append(b)
+        _feed(pol, b, 1, {8: 0.012, 1: 0.004}[b], 1, n=1)
+    probes = [i for i, b in enumerate(picks) if b == 8]
+    assert picks.count(1) > 190 and probes  # decoding, with a few probes
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # the interval grows
+
+
+def test_probe_that_finds_acceptance_again_returns_to_drafting():
+    pol = P.Policy([1, 8], 1)
+    for b in (8, 8, 1, 1):
+        pol.choose([0], 1, 50)
+        _feed(pol, b, 1, {8: 0.012, 1: 0.004}[b], 1, n=1)
+    for _ in range(60):  # the text turns predictable: each probe accepts the whole block
+        b = pol.choose([0], 1, 50)
+        _feed(pol, b, 1, {8: 0.012, 1: 0.004}[b], 8 if b == 8 else 1, n=1)
+    assert [pol.choose([0], 1, 50) for _ in range(1)] == [8]
+
+
+def test_costs_are_per_batch_bucket_and_fall_back_across_context_buckets():
+    pol = P.Policy([1, 4], 4)
+    for b in (4, 4, 1, 1):
+        assert pol.choose([0, 1], 2, 1000) == b
+        _feed(pol, b, 2, 0.01, 2)
+    assert pol.cost_of(4, 2, P.context_bucket(1000)) == pytest.approx(0.01)
+    assert pol.cost_of(4, 2, P.context_bucket(9000)) == pytest.approx(0.01)  # nearest bucket
+    assert pol.cost_of(4, 4, 1024) is None
+    assert pol.choose([0, 1, 2, 3], 4, 1000) == 4  # a new batch bucket is explored again
+
+
+def test_finished_requests_are_not_evidence():
+    pol = P.Policy([1, 8], 2)
+    pol.observe(8, 1, 10, 0.01, [0, 1], [2, 8], [True, False])
+    assert pol.rate(0) == pytest.approx(P.PRIOR[0] / P.PRIOR[1])  # cut by max_new: ignored
+    assert pol.rate(1) > 0.85  # 7 of 7 judged drafts accepted over the prior
+
+
+def test_bad_policy_blocks_name_the_argument():
+    target, drafter = _pair()
+    with pytest.raises(ValueError, match=r"policy_blocks must be block sizes in \[1, 8\]"):
+        speculative_generate(target, drafter, [[1, 2, 3]], 4, policy_blocks=[1, 9])
+    with pytest.raises(ValueError, match="policy_blocks"):
+        speculative_generate(target, drafter, [[1, 2, 3]], 4, policy_blocks=[0, 8])
+
+
+# ----------------------------------------------------------------------------- in the loop
+def _pair(max_len=320, device="cpu"):
+    tc, ts, dc, ds = counter_pair(**SMALL)
+    cache = dict(dtype=torch.float32, device=device, max_requests=4, max_len=max_len,
+                 num_blocks=4 * (max_len // 16))
+    target = Target(TargetConfig.from_hf(tc), ts, block_size=16, **cache)
+    drafter = DFlashDrafter(DFlashConfig.from_dict(dc), ds, embed_tokens=target.embed,
+                            lm_head=target.lm_head, cache_block_size=16, **cache)
+    return target, drafter
+
+
+@pytest.mark.parametrize("steps,device", [
+    ("direct", "cpu"), ("static", "cpu"),
+    pytest.param("graphs", "cuda", marks=pytest.mark.gpu),
+    pytest.param("direct", "cuda", marks=pytest.mark.gpu)])
+def test_mixed_blocks_and_decodes_keep_the_drafter_context(steps, device, monkeypatch):
+    """A fixed cycle of choices over blocks 8, 4, 2 and decoding; 150 new tokens on prompts of
+    70-90 tokens: from about the 70th new token on, every draft copies a token the loop
+    committed, including tokens committed by decode iterations."""
+    cycle = itertools.cycle([8, 1, 1, 4, 1, 8, 2, 2, 1, 8, 4])
+    monkeypatch.setattr(P.Policy, "choose", lambda self, *a: self._take(next(cycle), False))
+    target, drafter = _pair(device=device)
+    prompts = counter_prompts(3, vocab=SMALL["vocab"], lengths=(70, 90, 81), seed=3)
+    want = plain_greedy(target, prompts, 150)
+    got, st = speculative_generate(target, drafter, prompts, 150, steps=steps,
+                                   policy_blocks=(1, 2, 4, 8))
+    assert got == want
+    assert set(st.blocks) == {1, 2, 4, 8} and sum(st.blocks.values()) == st.iterations
+    # per drafting iteration and request: the whole block accepted (a request's last
+    # iteration may be cut by max_new_tokens: it commits fewer)
+    assert st.drafted > 0 and sum(a - 1 for a in st.acceptance) >= 0.9 * st.drafted, st
+
+
+def test_decode_only_equals_plain_greedy_and_keeps_drafting_possible():
+    target, drafter = _pair()
+    prompts = counter_prompts(2, vocab=SMALL["vocab"], lengths=(70, 75), seed=1)
+    got, st = speculative_generate(target, drafter, prompts, 40, steps="direct",
+                                   policy_blocks=(1,))
+    assert got == plain_greedy(target, prompts, 40)
+    assert st.blocks == {1: st.iterations} and st.acceptance == [] and st.drafted == 0
+
+
+def test_policy_drafts_when_drafts_are_right_and_decodes_when_wrong():
+    """The real policy on CPU timings: the counter pair accepts every draft, so drafting a block
+    of 8 commits 8 tokens at the cost of a few decode steps; the same pair with the drafter
+    copying from one position off accepts nothing, so decoding wins."""
+    target, drafter = _pair()
+    prompts = counter_prompts(2, vocab=SMALL["vocab"], lengths=(70, 75), seed=1)
+    _, st = speculative_generate(target, drafter, prompts, 120, steps="direct")
+    assert st.blocks.get(8, 0) > st.blocks.get(1, 0), st.blocks
+    tc, ts, dc, ds = counter_pair(delta=SMALL["vocab"] + 2, **SMALL)  # one position off
+    wrong = DFlashDrafter(DFlashConfig.from_dict(dc), ds, embed_tokens=target.embed,
+                          lm_head=target.lm_head, cache_block_size=16, dtype=torch.float32,
+                          device="cpu", max_requests=4, max_len=320, num_blocks=80)
+    got, st = speculative_generate(target, wrong, prompts, 120, steps="direct")
+    assert got == plain_greedy(target, prompts, 120)
+    assert st.blocks.get(1, 0) > 3 * st.blocks.get(8, 0), st.blocks
+
+
+@pytest.mark.parametrize("cycle", [(1,), (1, 4)], ids=["decode", "decode-then-block-4"])
+def test_sampling_through_decode_iterations_matches_target_distribution(cycle, monkeypatch):
+    """test_speculator's chi-square over the joint of the first three new tokens, with the
+    second drawn by a decode iteration (sampled from the target's p, committed without drafts)
+    and the third by a decode iteration or a block of 4 (rejection sampling)."""
+    from tests.test_speculator import _exact_joint, _small_vocab_pair, assert_matches_joint
+    picks = itertools.cycle(cycle)
+    monkeypatch.setattr(P.Policy, "choose", lambda self, *a: self._take(next(picks), False))
+    target, drafter = _small_vocab_pair(device="cpu", dflash2=False)
+    prompt, temp, n_new, reps = [0, 2, 1, 1, 0], 1.0, 3, 16
+    want = _exact_joint(target, prompt, n_new, temp, 0)
+    gen = torch.Generator().manual_seed(0)
+    counts, total = {}, 0
+    for _ in range(250):
+        got, st = speculative_generate(target, drafter, [prompt] * reps, n_new, temperature=temp,
+                                       generator=gen, steps="direct",
+                                       policy_blocks=(1, 4) if len(cycle) > 1 else (1,))
+        assert st.blocks.get(1, 0) >= 1
+        for o in got:
+            counts[tuple(o)] = counts.get(tuple(o), 0) + 1
+            total += 1
+    assert_matches_joint(counts, total, want)
+
+
+def test_costs_outlive_the_call():
+    """The warm-up call measures; a later call on the same pair starts from its costs (the
+    demo's timed run does not explore again)."""
+    from dflash_ops.speculator import loop
+    target, drafter = _pair()
+    prompts = counter_prompts(2, vocab=SMALL["vocab"], lengths=(70, 75), seed=1)
+    speculative_generate(target, drafter, prompts, 20, steps="direct")
+    (key, (cost, warm, pair)), = loop._POLICY_COSTS[drafter].items()
+    assert key == (id(target), "direct", False, (1, 8))
+    assert {b for b, _ in cost} == {1, 8} and all(cost.values()) and len(warm) == 2
+    assert pair[1] > 0 and pair[0] / pair[1] > 0.9  # every draft accepted
+    seen = []
+    real = P.Policy.choose
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(P.Policy, "choose", lambda self, *a: seen.append(real(self, *a)) or seen[-1])
+    try:
+        got, _ = speculative_generate(target, drafter, prompts, 20, steps="direct")
+    finally:
+        monkey.undo()
+    assert got == plain_greedy(target, prompts, 20)
+    # every draft is right, so with costs and the pair's acceptance known it drafts from the
+    # start; exploring again would run 8, 8, 1, 1 first
+    assert len(seen) >= 2 and 1 not in seen[:4], seen
