@@ -16,7 +16,8 @@ import torch
 from tests.conftest import run_interpreted
 
 from dflash_ops import dispatch
-from dflash_ops.ops.select import select_candidates, select_candidates_ref
+from dflash_ops.ops.select import (TOPK_MAX, row_topk, row_topk_ref, select_candidates,
+                                   select_candidates_ref)
 
 
 def case(r, j, k, rank, v, temperature=0.0, dtype=torch.float32, seed=0, device="cpu",
@@ -167,3 +168,74 @@ def test_graph_replay_gpu(backend):
         want = select_candidates_ref(**static)
         assert torch.equal(path, want[0])
         torch.testing.assert_close(q, want[1], atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- row_topk
+def topk_case(m, v, k, ties=False, dtype=torch.float32, seed=0, device="cpu", infs=False):
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(m, v, generator=g)
+    if ties:  # many equal values, across the k-th place too
+        z = (z * 2).round() / 2
+    if infs:
+        z[0, v // 2] = float("inf")
+        z[-1, : min(v, 5)] = float("-inf")
+    return z.to(device, dtype), k
+
+
+def test_topk_reference_is_torch_topk_with_ties_by_index():
+    z, _ = topk_case(4, 300, 9, seed=1)
+    vals, idx = row_topk_ref(z, 9)
+    want = torch.topk(z, 9, dim=-1)
+    assert torch.equal(vals, want.values) and torch.equal(idx, want.indices)  # no ties
+    z = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, 2.0]])
+    vals, idx = row_topk_ref(z, 4)
+    assert idx.tolist() == [[1, 2, 4, 5]] and vals.tolist() == [[3.0, 3.0, 3.0, 2.0]]
+
+
+TOPK_GRID = [dict(m=3, v=97, k=5, ties=True), dict(m=2, v=5000, k=16),
+             dict(m=1, v=16, k=16, infs=True), dict(m=4, v=2049, k=TOPK_MAX),
+             dict(m=2, v=4100, k=7, ties=True, infs=True), dict(m=1, v=1, k=1)]
+GPU_TOPK_GRID = TOPK_GRID + [dict(m=7, v=248320, k=16), dict(m=56, v=151936, k=16, ties=True)]
+
+
+def check_topk(device, dtypes, grid=TOPK_GRID):
+    for dtype in dtypes:
+        for i, g in enumerate(grid):
+            z, k = topk_case(**g, dtype=dtype, seed=20 + i, device=device)
+            want = row_topk_ref(z, k)
+            with dispatch.use_backend("triton", ops=("row_topk",)):
+                got = row_topk(z, k)
+            what = f"row_topk {dtype} {g}"
+            assert torch.equal(got[1], want[1]), what
+            assert torch.equal(got[0], want[0]), what
+
+
+_TOPK_SCRIPT = r"""
+import torch
+import tests.test_select_kernels as t
+t.check_topk("cpu", (torch.float32, torch.float16))
+print("interp-ok")
+"""
+
+
+def test_topk_triton_kernel_under_interpreter():
+    run_interpreted(_TOPK_SCRIPT, timeout=600)
+
+
+@pytest.mark.gpu
+def test_topk_kernel_gpu():
+    check_topk("cuda", (torch.float32, torch.bfloat16), GPU_TOPK_GRID)
+
+
+@pytest.mark.gpu
+def test_topk_graph_replay_gpu():
+    z, k = topk_case(14, 248320, 16, device="cuda", dtype=torch.bfloat16)
+    row_topk(z, k)  # compile before capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        vals, idx = row_topk(z, k)
+    for seed in (1, 2):
+        z.copy_(topk_case(14, 248320, 16, device="cuda", dtype=torch.bfloat16, seed=seed)[0])
+        g.replay()
+        want = row_topk_ref(z, k)
+        assert torch.equal(idx, want[1]) and torch.equal(vals, want[0])

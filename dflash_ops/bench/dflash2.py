@@ -64,7 +64,8 @@ def _conv(res: Results, ts, timing) -> None:
 
 
 def _select(res: Results, rs, timing) -> None:
-    from dflash_ops.ops.select import select_candidates, select_candidates_ref
+    from dflash_ops.ops.select import (row_topk, row_topk_ref, select_candidates,
+                                       select_candidates_ref)
     dev, bf16 = "cuda", torch.bfloat16
     v, k, rank, j = 248320, 16, 256, 7
     pred = torch.randn(v, rank, dtype=bf16, device=dev)
@@ -92,10 +93,15 @@ def _select(res: Results, rs, timing) -> None:
         res.add_time(table, str(r), "torch walk", time_fn(
             lambda *a: select_candidates_ref(*a, pred, succ, 0.0), rotate=sets, graph=True,
             **timing), bytes_moved=moved, floor=fl, x=r)
-        # the top-k before the walk (torch.topk on the bf16 logits): is a fused one worth it?
+        # the top-k before the walk: ours (row_topk) vs torch.topk on the bf16 logits
         zb = r * j * v * 2
         zsets = rotating(lambda r=r: (torch.randn(r * j, v, dtype=bf16, device=dev),), zb)
         ztable = f"top-{k} of the logits [R*{j}, {v}] bf16 (before the walk)"
+        z0 = zsets[0][0]
+        same = torch.equal(row_topk(z0, k)[1], row_topk_ref(z0, k)[1])
+        res.add_time(ztable, str(r), "ours row_topk (triton)", time_fn(
+            lambda z: row_topk(z, k), rotate=zsets, graph=True, **timing),
+            bytes_moved=zb, floor=floor_us(res.floors, zb), x=r, same_ids=same)
         res.add_time(ztable, str(r), "torch.topk", time_fn(
             lambda z: torch.topk(z, k, dim=-1), rotate=zsets, graph=True, **timing),
             bytes_moved=zb, floor=floor_us(res.floors, zb), x=r)

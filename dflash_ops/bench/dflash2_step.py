@@ -89,7 +89,8 @@ def walk_margins(selector, hidden, z, anchor, path, top_k: int) -> tuple:
     the selector score's best minus second best (fp32, over the top-``top_k`` candidates of
     ``z``, the previous token being ``path``'s) and the largest |pairwise term| there."""
     pred_cb, succ_cb, proj = selector
-    unary, cand = torch.topk(z, top_k, dim=-1)
+    from ..ops.select import row_topk_ref  # the drafter's candidates (its tie rule)
+    unary, cand = (t.view(*z.shape[:2], top_k) for t in row_topk_ref(z.flatten(0, 1), top_k))
     hp = torch.nn.functional.linear(hidden, proj).float()
     prev, gaps, scales = anchor.long(), [], []
     for j in range(path.shape[1]):

@@ -199,9 +199,12 @@ class DFlashDrafter:
         softmax(score / temperature) with the uniforms u [R, B-1], and the result is
         (path, q [R, B-1, k], candidates [R, B-1, k])."""
         pred_cb, succ_cb, proj = self.selector
-        unary, cand = torch.topk(z, self.cfg.selector_top_k, dim=-1)
+        r, j, v = z.shape
+        k = self.cfg.selector_top_k
+        unary, cand = OPS.row_topk(z.reshape(r * j, v), k)  # ties: the lower token id first
+        unary, cand = unary.view(r, j, k), cand.view(r, j, k)
         hp = linear(hidden, proj)  # [R, B-1, r]
-        path, q = OPS.select_candidates(unary.contiguous(), cand.contiguous(), hp.contiguous(),
+        path, q = OPS.select_candidates(unary, cand, hp.contiguous(),
                                         anchor.long().contiguous(), pred_cb, succ_cb,
                                         float(temperature), u)
         return path if temperature <= 0 else (path, q, cand)

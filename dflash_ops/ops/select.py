@@ -26,9 +26,11 @@ from .. import dispatch
 from . import _checks as C
 from ._samples import META, Maker, rnd, set_, to
 
-__all__ = ["select_candidates"]
+__all__ = ["select_candidates", "row_topk"]
 
 _OP = "select_candidates"
+_TOPK = "row_topk"
+TOPK_MAX = 64  # the kernels' largest k (DFlash 2's top_k is 16)
 
 
 def _check(unary, cand, hidden, anchor, pred, succ, temperature, u=None):
@@ -105,6 +107,41 @@ dispatch.define_op(
     validate=_check, reference=select_candidates_ref, fake=_fake, default="triton")
 
 
+# ----------------------------------------------------------------------------- row_topk
+# The top-k of each logits row that the walk starts from: ``torch.topk``'s job, which on the
+# H200 reads [7, 248320] bf16 at 1.4% of the copy bandwidth (58 us at one request, 870 us at
+# 64; benchmarks/NOTES.md, session 15). Defined with a tie rule so that every backend returns
+# the same candidates: the k largest values in descending order, equal values by ascending
+# index (torch.topk leaves the order of ties unspecified).
+def _check_topk(z, k):
+    op = _TOPK
+    C.tensor(op, "z", z, rank=2, dtype=C.FLOAT_DTYPES, last_contiguous=True)
+    if not isinstance(k, int) or not 1 <= k <= min(z.shape[1], TOPK_MAX):
+        C.fail(op, f"k must be an int in [1, min(V, {TOPK_MAX})] = [1, "
+                   f"{min(z.shape[1], TOPK_MAX)}] (V = z's last dim, {z.shape[1]}), got {k!r}")
+
+
+def row_topk_ref(z, k: int):
+    """(values [M, k] in z's dtype, indices [M, k] int64): a stable descending sort's first k
+    (ties: the lower index first; NaN sorts above +inf)."""
+    vals, idx = torch.sort(z, dim=-1, descending=True, stable=True)
+    return vals[:, :k].contiguous(), idx[:, :k].contiguous()
+
+
+def _fake_topk(z, k):
+    return z.new_empty((z.shape[0], k)), z.new_empty((z.shape[0], k), dtype=torch.long)
+
+
+dispatch.define_op("row_topk(Tensor z, int k) -> (Tensor, Tensor)", validate=_check_topk,
+                   reference=row_topk_ref, fake=_fake_topk, default="triton")
+
+
+def row_topk(z: torch.Tensor, k: int):
+    """(values [M, k], indices [M, k] int64): the k largest entries of each row of z [M, V],
+    descending, equal values by ascending index (every backend the same)."""
+    return torch.ops.dflash.row_topk.default(z, int(k))
+
+
 def select_candidates(unary, cand, hidden, anchor, pred, succ, temperature: float = 0.0,
                       u: Optional[torch.Tensor] = None):
     """(path [R, J], q [R, J, k]): DFlash 2's selector walk over each row's candidates."""
@@ -127,8 +164,15 @@ def samples(device, dtype) -> dict:
             kw["u"] = torch.rand(r, j, generator=g).to(device)
         return kw
 
+    def topk_case(seed, m, v, k, ties=False):
+        z = Maker(seed, device, dtype).rnd(m, v)
+        if ties:  # runs of equal values across the k-th place
+            z = (z * 2).round() / 2
+        return dict(z=z, k=k)
+
     return {_OP: {"greedy": case(40, 3, 7, 4, 8, 50),
-                  "sampled": case(41, 2, 3, 16, 32, 100, temperature=0.7)}}
+                  "sampled": case(41, 2, 3, 16, 32, 100, temperature=0.7)},
+            _TOPK: {"k16": topk_case(42, 5, 3000, 16), "ties-k5": topk_case(43, 3, 97, 5, True)}}
 
 
 def bad_samples() -> dict:
@@ -147,4 +191,11 @@ def bad_samples() -> dict:
         ("pred-device", to("pred", device=META), "pred"),
         ("temperature-negative", set_(temperature=-1.0), "temperature"),
         ("u-missing-when-sampling", set_(temperature=0.5), "u"),
+    ], _TOPK: [
+        ("z-int", to("z", dtype=torch.int32), "z"),
+        ("z-rank-3", set_(z=rnd(2, 3, 40)), "z"),
+        ("z-vocab-stride", set_(z=lambda kw: kw["z"].t().contiguous().t()), "z"),
+        ("k-zero", set_(k=0), "k"),
+        ("k-above-v", set_(k=3001), "k"),
+        ("k-above-max", set_(k=TOPK_MAX + 1), "k"),
     ]}

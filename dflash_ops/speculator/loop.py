@@ -143,7 +143,8 @@ def _resolve_steps(steps: str, target, drafter, n: int) -> str:
 
 class _Steps:
     """The static steps of every block size the loop may run, for n requests: for b >= 2 a
-    (DraftStep, VerifyStep) pair, for b = 1 (decoding) (None, VerifyStep of one row). They
+    (DraftStep, VerifyStep) pair, for b = 1 (decoding) (None, VerifyStep of one row that also
+    adds the input token's taps to the drafter's context, in its graph). They
     share one scratch request slot, n (the first past the batch), held here with room for the
     largest block in both caches; ``close()`` closes the steps and gives the slot back. Nothing
     stays taken if a step cannot be built."""
@@ -165,7 +166,8 @@ class _Steps:
                     select_temperature=select_temperature, own_scratch=False)
                 self.pairs[b] = (dstep, VerifyStep(
                     target, max_batch=n, block_size=b, scratch_request=n, own_scratch=False,
-                    tap_layers=drafter.cfg.target_layer_ids, logits=logits or b == 1))
+                    tap_layers=drafter.cfg.target_layer_ids, logits=logits,
+                    context_drafter=drafter if b == 1 else None))
         except BaseException:
             self.close()
             raise

@@ -328,8 +328,9 @@ class DecodeIteration(Iteration):
     """The policy's iteration without drafting: the target's decode step on each request's last
     token (``vstep``: a VerifyStep of block 1, graphed with ``graphs``; None: a direct call),
     its token committed by ``greedy_commit`` (sampling: drawn from the target's distribution
-    first), the committed row's tap hidden states added to the drafter's context at once, after
-    any pending rows: plain decoding that keeps the drafter ready to draft again."""
+    first), the input row's tap hidden states added to the drafter's context (by the step, in
+    its graph, when it has a ``context_drafter``; else at once), after any pending rows: plain
+    decoding that keeps the drafter ready to draft again."""
 
     def __init__(self, target, drafter, *, sampling: Optional[Sampling] = None, vstep=None,
                  graphs: bool = False, stats: Optional[Stats] = None, time_stages: bool = False):
@@ -346,5 +347,6 @@ class DecodeIteration(Iteration):
             post = self.sampling.draw(self.sampling.probs(logits))
         kept, fin, ctx_pos = greedy_commit(block, post, rows, s.n_out, s.start, s.last,
                                            s.out_tokens, s.stop, s.max_new)
-        self.drafter.add_context(taps, rows, ctx_pos.reshape(-1))
+        if self.vstep is None or self.vstep.context_drafter is None:  # else the step added it
+            self.drafter.add_context(taps, rows, ctx_pos.reshape(-1))
         return kept, fin

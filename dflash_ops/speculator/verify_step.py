@@ -21,7 +21,8 @@ from ..ops.loop import prepare_step_
 
 class VerifyStep:
     def __init__(self, target, max_batch: int, block_size: int, tap_layers: Sequence[int],
-                 scratch_request: int, logits: bool = True, own_scratch: bool = True):
+                 scratch_request: int, logits: bool = True, own_scratch: bool = True,
+                 context_drafter=None):
         dev = target.device
         self.want_logits = logits  # False (greedy): ``logits`` is None, argmax on model dtype
         self.target, self.max_batch, self.b = target, max_batch, block_size
@@ -34,6 +35,13 @@ class VerifyStep:
         self._graphs: Dict[int, torch.cuda.CUDAGraph] = {}
         self._outs: Dict[int, tuple] = {}
         self.own_scratch = own_scratch  # False: the caller holds the slot for several steps
+        # a decode step (block 1) of the policy: the input token's taps go to this drafter's
+        # context inside the step (and its graph); the token is committed already, so its row
+        # is context whatever the step's outcome (padded rows: the drafter's scratch slot)
+        if context_drafter is not None and block_size != 1:
+            raise ValueError(f"VerifyStep: context_drafter is for block_size 1 (decode), got "
+                             f"block_size {block_size}")
+        self.context_drafter = context_drafter
         if own_scratch:  # last: a failure above changes nothing
             target.add_request(scratch_request, block_size)
 
@@ -75,6 +83,8 @@ class VerifyStep:
                                            self.requests[:bucket], self.start[:bucket],
                                            self.q_lens[:bucket], self.tap_layers,
                                            fp32_logits=self.want_logits)
+        if self.context_drafter is not None:
+            self.context_drafter.add_context(taps, self.requests[:bucket], self.start[:bucket])
         logits = logits.view(bucket, self.b, -1)
         return (logits if self.want_logits else None), logits.argmax(-1), taps
 

@@ -73,3 +73,84 @@ def select_candidates(unary, cand, hidden, anchor, pred, succ, temperature: floa
 
 
 dispatch.register_backend("select_candidates", "triton", select_candidates)
+
+
+# ----------------------------------------------------------------------------- row_topk
+# Two passes over z [M, V]: (1) a program per (row, chunk of CHUNK entries) keeps its chunk's
+# k best as (fp32 key, index), k rounds of max + first index of the max + drop it; (2) a
+# program per row takes the k best of its chunks' candidates by the same rule and gathers the
+# values from z (so they keep z's dtype and bits). z is read once; the candidates are
+# M * ceil(V / CHUNK) * KP pairs. Ties go to the lower index in both passes (the op's rule);
+# NaN keys as +inf (below a +inf of lower index: the reference puts NaN first). Exhausted
+# slots (a chunk or row with fewer than k entries cannot happen for the last pass: k <= V)
+# carry index -1 and key -inf and lose to every real entry.
+TOPK_CHUNK = 2048
+
+
+@triton.jit
+def _topk_pick(key, idx, avail, KP: tl.constexpr, K: tl.constexpr, BIG: tl.constexpr):
+    slot = tl.arange(0, KP)
+    out_k = tl.full([KP], float("-inf"), tl.float32)
+    out_i = tl.full([KP], -1, tl.int64)
+    for t in range(K):
+        best = tl.max(tl.where(avail, key, float("-inf")), axis=0)
+        pick = tl.min(tl.where(avail & (key == best), idx, BIG), axis=0)
+        found = pick < BIG
+        out_k = tl.where((slot == t) & found, best, out_k)
+        out_i = tl.where((slot == t) & found, pick, out_i)
+        avail = avail & (idx != pick)
+    return out_k, out_i
+
+
+@triton.jit
+def _topk_chunk_kernel(z_ptr, stride_m, V, key_ptr, idx_ptr, NCH, K: tl.constexpr,
+                       KP: tl.constexpr, CHUNK: tl.constexpr):
+    m = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1).to(tl.int64)
+    offs = c * CHUNK + tl.arange(0, CHUNK).to(tl.int64)
+    inr = offs < V
+    x = tl.load(z_ptr + m * stride_m + offs, mask=inr, other=float("-inf")).to(tl.float32)
+    x = tl.where(x != x, float("inf"), x)
+    out_k, out_i = _topk_pick(x, offs, inr, KP, K, 1 << 62)
+    slot = tl.arange(0, KP)
+    base = (m * NCH + c) * KP
+    tl.store(key_ptr + base + slot, out_k)
+    tl.store(idx_ptr + base + slot, out_i)
+
+
+@triton.jit
+def _topk_merge_kernel(z_ptr, stride_m, key_ptr, idx_ptr, val_ptr, out_idx_ptr, N,
+                       K: tl.constexpr, KP: tl.constexpr, NP: tl.constexpr):
+    m = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, NP)
+    inr = j < N
+    key = tl.load(key_ptr + m * N + j, mask=inr, other=float("-inf"))
+    idx = tl.load(idx_ptr + m * N + j, mask=inr, other=-1)
+    out_k, out_i = _topk_pick(key, idx, inr & (idx >= 0), KP, K, 1 << 62)
+    slot = tl.arange(0, KP)
+    ok = slot < K
+    v = tl.load(z_ptr + m * stride_m + tl.where(ok, out_i, 0), mask=ok)
+    tl.store(val_ptr + m * K + slot, v, mask=ok)
+    tl.store(out_idx_ptr + m * K + slot, out_i, mask=ok)
+
+
+def row_topk(z, k: int):
+    m, v = z.shape
+    vals = torch.empty((m, k), dtype=z.dtype, device=z.device)
+    idx = torch.empty((m, k), dtype=torch.long, device=z.device)
+    if m == 0:
+        return vals, idx
+    kp = triton.next_power_of_2(k)
+    chunk = min(TOPK_CHUNK, triton.next_power_of_2(v))
+    nch = triton.cdiv(v, chunk)
+    keys = torch.empty((m, nch, kp), dtype=torch.float32, device=z.device)
+    cidx = torch.empty((m, nch, kp), dtype=torch.long, device=z.device)
+    _topk_chunk_kernel[(m, nch)](z, z.stride(0), v, keys, cidx, nch, K=k, KP=kp, CHUNK=chunk,
+                                 num_warps=4)
+    n = nch * kp
+    _topk_merge_kernel[(m,)](z, z.stride(0), keys, cidx, vals, idx, n, K=k, KP=kp,
+                             NP=triton.next_power_of_2(n), num_warps=4)
+    return vals, idx
+
+
+dispatch.register_backend("row_topk", "triton", row_topk)
