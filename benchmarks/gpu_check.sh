@@ -2,7 +2,7 @@
 # The one script run on the H200 (device tool): install (builds dflash_ops._C), info, check, the
 # GPU tests, the benchmarks. Logs and result tables go under $OUT (at most 8 files come back:
 # more are packed into $OUT/all.tgz at the end).
-# Usage: bash benchmarks/gpu_check.sh [build|tests|sanitize|ncu|vllm|vllm-counter|vllm-bench|dflash2|bench|ctx|attn|linear|drafter|e2e|models|compare|profile|cmake|all]
+# Usage: bash benchmarks/gpu_check.sh [build|tests|sanitize|ncu|vllm|vllm-counter|vllm-bench|dflash2|policy|bench|ctx|attn|linear|drafter|e2e|models|compare|profile|cmake|all]
 #   all:     tests + bench + ctx; build: install, info and check only
 #   tests:   pytest -m gpu over SHARDS processes; TEST_FILES="tests/a.py tests/b.py" for a subset
 #   sanitize: the hostile-value GPU tests (tests/test_hostile_inputs.py,
@@ -24,6 +24,8 @@
 #   vllm-bench: benchmarks/bench_vllm.py on the 8B-width pair, one process per variant
 #            (VLLM_VARIANTS, default plain stock plugin custom; BENCH_ARGS for --batch/--context,
 #            --profile P for the kernel breakdown by part)
+#   policy:  bench policy (BENCH_ARGS, default --quick): the loop's policy vs always drafting vs
+#            plain decode with an oracle drafter right with probability p (issue 18's grid)
 #   attn:    the attention suite (BENCH_ARGS: --quick, --cases, --tables, --no-flex)
 #   models:  bench_drafter (DRAFTER_ARGS, default --no-ref), bench_e2e (E2E_ARGS, default --quick)
 #            and profile_step (PROFILE_ARGS) in one call
@@ -184,6 +186,12 @@ if [ "$what" = dflash2 ]; then  # DFlash 2's ops against their floors (bench_dfl
       ${BENCH_ARGS:-} --out "$OUT/results" > "$OUT/bench_dflash2_step.log" 2>&1
     grep -A12 "^summary" "$OUT/bench_dflash2_step.log"
   fi
+fi
+if [ "$what" = policy ]; then  # issue 18's grid: policy vs always vs plain decode (oracle p)
+  timeout "${POLICY_TIMEOUT:-560}" python3 -m dflash_ops bench policy ${BENCH_ARGS:---quick} \
+    --out "$OUT/results" > "$OUT/bench_policy.log" 2>&1
+  r=$?; [ $r -ne 0 ] && rc=$r
+  grep -E "^\[policy\]|ok \(" "$OUT/bench_policy.log" | tail -40
 fi
 if [ "$what" = ncu ]; then  # Nsight Compute of one kernel launch inside a benchmark run
   # NCU_KERNEL: kernel-name regex (default our attention kernel); NCU_SKIP: launches of it to

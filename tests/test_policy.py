@@ -206,3 +206,27 @@ def test_costs_outlive_the_call():
     # every draft is right, so with costs and the pair's acceptance known it drafts from the
     # start; exploring again would run 8, 8, 1, 1 first
     assert len(seen) >= 2 and 1 not in seen[:4], seen
+
+
+@pytest.mark.parametrize("steps", ["direct", "static"])
+def test_oracle_drafter_is_right_with_probability_p(steps):
+    """bench.policy's oracle on a drafter that is always wrong (the counter drafter one position
+    off): p = 1 makes every draft right, p = 0 none, p = 0.5 about geometric; the output is the
+    target's whatever p."""
+    from dflash_ops.bench.policy import OracleDrafter
+    target, _ = _pair()
+    tc, ts, dc, ds = counter_pair(delta=SMALL["vocab"] + 2, **SMALL)
+    wrong = DFlashDrafter(DFlashConfig.from_dict(dc), ds, embed_tokens=target.embed,
+                          lm_head=target.lm_head, cache_block_size=16, dtype=torch.float32,
+                          device="cpu", max_requests=4, max_len=320, num_blocks=80)
+    prompts = counter_prompts(2, vocab=SMALL["vocab"], lengths=(70, 75), seed=1)
+    want = plain_greedy(target, prompts, 40)
+    oracle = OracleDrafter(wrong)
+    oracle.set_reference(prompts, want, 4)
+    means = {}
+    for p in (1.0, 0.0, 0.5):
+        oracle.p = p
+        got, st = speculative_generate(target, oracle, prompts, 40, steps=steps, policy=False)
+        assert got == want
+        means[p] = sum(a - 1 for a in st.acceptance) / st.drafted
+    assert means[1.0] > 0.9 and means[0.0] == 0.0 and 0.05 < means[0.5] < 0.5, means

@@ -64,6 +64,10 @@ SUITES = {
                      "one Qwen3.8-27B-DFlash2 draft step (window 2048, conv + selector) under "
                      "our CUDA graph vs the same drafter without conv and selector vs floor, B "
                      "1-64 x S 1k-8k, 1 x 131k"),
+    "policy": ("dflash_ops.bench.policy",
+               "the loop's policy vs always drafting vs plain decode, an oracle drafter right "
+               "with probability p in 0-0.95, Qwen3-8B shapes, B 1-32 x S 1k-32k: tokens/s "
+               "and a plot"),
     "e2e": ("dflash_ops.bench.e2e",
             "one DFlash iteration (draft + verify graphs) vs a decode step, Qwen3-8B shapes, "
             "B 1-64 x S 1k-8k: floors, implied speedup, GPU idle, host syncs"),

@@ -1,0 +1,192 @@
+"""``dflash-ops bench policy``: does speculation pay, and does the loop's policy know when?
+
+Issue 18's grid: an oracle drafter whose drafts are right with probability p, at Qwen3-8B shapes
+(random bf16 weights: ``bench.e2e``'s target and Qwen3-8B-DFlash-b16 drafter), for p in
+``P_GRID`` x batch x context, tokens a second of four strategies on the same prompts:
+
+* ``plain decode``: the target's decode step as one CUDA graph replayed a token (the demo's
+  baseline, ``speculator.demo._decode_graphed``), no loop;
+* ``never``: our loop decoding only (``policy_blocks=(1,)``: the policy's decode iteration);
+* ``always``: our loop drafting a block of 16 every iteration (``policy=False``);
+* ``policy``: our loop with the policy (blocks 1 and 16), its per-block iteration counts noted.
+
+The oracle (``OracleDrafter``) runs the real drafter's step, so its cost is the drafter's, then
+replaces each draft with the token the target will produce there with probability p (a wrong
+token otherwise), each position independently: acceptance is geometric in p. The target's tokens
+come from the ``never`` run of the case (greedy, so every strategy commits the same tokens; the
+outputs are checked equal). Tokens a second count the new tokens over the time after the prefill
+(the loop's ``Stats.seconds['prefill']``, synchronised; for plain decode the same prefill is
+measured once and subtracted), capture excluded. A warm-up run of each strategy first in each
+case (compiles, autotuning, and the policy's cost table, which it keeps per drafter across
+calls, as a server would; its acceptance prior follows the pair across calls too, so a change
+of p reaches it through the decayed estimates, as a change of text would).
+
+Target (issue 18): the policy never more than 3% slower than the better of ``always`` and
+``plain decode`` at any grid point, and faster than both somewhere.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Optional, Sequence
+
+import torch
+
+from .harness import Results, measure_floors
+
+P_GRID = (0.0, 0.2, 0.4, 0.6, 0.8, 0.95)
+CASES = [(b, s) for s in (1024, 8192, 32768) for b in (1, 8, 32)]
+QUICK_CASES = [(1, 1024), (8, 1024), (1, 8192)]
+NEW_TOKENS = 64
+STRATEGIES = ("plain decode", "never", "always", "policy")
+TABLE = "tokens a second after the prefill, oracle drafter right with probability p"
+SUMMARY = "policy vs the better of always and plain decode"
+
+
+class OracleDrafter:
+    """A drafter (wrapping ``inner``, a DFlashDrafter: every attribute but ``propose`` is its)
+    whose greedy drafts are the target's tokens with probability ``p``: ``reference`` [N, L]
+    int64 on the device holds the token the target commits at each absolute position of each
+    request slot (``set_reference``). Graph-safe: the draws are device RNG."""
+
+    def __init__(self, inner, p: float = 0.0):
+        self.inner, self.p = inner, float(p)
+        self.reference: Optional[torch.Tensor] = None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def set_reference(self, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
+                      slots: int) -> None:
+        """The tokens of request r at positions 0.. (its prompt, then its output); other slots
+        (the steps' scratch) read row 0."""
+        length = max(len(p) + len(o) for p, o in zip(prompts, outputs)) + 1
+        ref = torch.zeros(slots, length, dtype=torch.long)
+        for r, (p, o) in enumerate(zip(prompts, outputs)):
+            ref[r, :len(p) + len(o)] = torch.tensor(list(p) + list(o))
+        self.reference = ref.to(self.inner.device)
+
+    def propose(self, block_ids, requests, start, logits: bool = True):
+        drafts, z = self.inner.propose(block_ids, requests, start, logits=logits)
+        ref = self.reference
+        pos = start[:, None] + 1 + torch.arange(drafts.shape[1], device=drafts.device)
+        rows = requests.clamp(0, ref.shape[0] - 1)[:, None]
+        want = ref[rows, pos.clamp(0, ref.shape[1] - 1)]
+        hit = torch.rand(drafts.shape, device=drafts.device) < self.p
+        wrong = (want + 1) % self.inner.cfg.vocab_size
+        return torch.where(hit, want, wrong), z
+
+
+def _say(text: str) -> None:
+    print(f"[policy] {text}", file=sys.stderr, flush=True)
+
+
+def _loop_rate(target, drafter, prompts, n_new, **kw) -> tuple:
+    """(outputs, tokens a second after the prefill, Stats) of one speculative_generate run."""
+    from ..speculator.loop import speculative_generate
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out, st = speculative_generate(target, drafter, prompts, n_new, time_stages=False, **kw)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0 - st.seconds["capture"] - st.seconds["prefill"]
+    new = sum(len(o) for o in out)
+    return out, new / wall, st, st.seconds["prefill"]
+
+
+def run_case(res: Results, target, drafter, batch: int, context: int, ps=P_GRID,
+             n_new: int = NEW_TOKENS, seed: int = 0) -> None:
+    from ..speculator.demo import _decode_graphed
+    label = f"B={batch} S={context}"
+    g = torch.Generator().manual_seed(seed)
+    vocab = min(target.cfg.vocab_size, drafter.cfg.mask_token_id)
+    prompts = [torch.randint(0, vocab, (context,), generator=g).tolist() for _ in range(batch)]
+    oracle = OracleDrafter(drafter)
+    # never: the reference tokens (and its warm-up run compiles the decode path)
+    _loop_rate(target, oracle, prompts, n_new, policy_blocks=(1,))
+    want, never, _, prefill = _loop_rate(target, oracle, prompts, n_new, policy_blocks=(1,))
+    oracle.set_reference(prompts, want, drafter.cache.block_table.shape[0])
+    _decode_graphed(target, prompts, n_new)  # warm-up
+    plain_out, plain_s = _decode_graphed(target, prompts, n_new)
+    plain = batch * n_new / max(1e-9, plain_s - prefill)
+    if plain_out != want:
+        _say(f"{label}: plain decode and the loop's tokens differ (bf16 near ties)")
+    for i, p in enumerate(ps):
+        oracle.p = p
+        rates = {"plain decode": plain, "never": never}
+        notes = {}
+        for name, kw in (("always", dict(policy=False)), ("policy", {})):
+            if i == 0:  # warm-up: compiles and captures; the policy measures its costs
+                _loop_rate(target, oracle, prompts, n_new, **kw)
+            out, rate, st, _ = _loop_rate(target, oracle, prompts, n_new, **kw)
+            if out != want:
+                raise AssertionError(f"policy bench {label} p={p} {name}: output differs from "
+                                     f"the decode-only loop's")
+            rates[name] = rate
+            notes[name] = (f"acceptance {st.mean_acceptance:.2f}; "
+                           + ", ".join(f"{'decode' if b == 1 else f'block {b}'} {k}"
+                                       for b, k in sorted(st.blocks.items(), reverse=True)))
+        for name in STRATEGIES:
+            res.add(TABLE, case=label, p=p, strategy=name, tokens_per_s=rates[name],
+                    x=p, note=notes.get(name, ""))
+        best = max(rates["always"], rates["plain decode"])
+        res.add(SUMMARY, case=label, p=p, policy=rates["policy"], always=rates["always"],
+                plain=rates["plain decode"], never=rates["never"],
+                **{"policy / best": rates["policy"] / best,
+                   "ok (>= 0.97)": rates["policy"] >= 0.97 * best})
+        _say(f"{label} p={p}: " + ", ".join(f"{k} {v:.0f}" for k, v in rates.items())
+             + f" tok/s; policy {notes['policy']}")
+
+
+def plot(res: Results, path) -> Optional[str]:
+    """Tokens a second vs p, one panel a case, one line a strategy."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = res.tables().get(TABLE, [])
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    if not cases:
+        return None
+    fig, axes = plt.subplots(1, len(cases), figsize=(4.5 * len(cases), 4), squeeze=False)
+    for ax, case in zip(axes[0], cases):
+        for name in STRATEGIES:
+            pts = sorted((r["p"], r["tokens_per_s"]) for r in rows
+                         if r["case"] == case and r["strategy"] == name)
+            ax.plot(*zip(*pts), marker="o", label=name)
+        ax.set(xlabel="p (draft right)", ylabel="tokens / s", title=case)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    return res._save_figure(fig, path)
+
+
+def run(quick: bool = False, cases=None) -> Results:
+    if not torch.cuda.is_available():
+        raise RuntimeError("policy suite: needs a CUDA GPU; nothing was run.")
+    from .e2e import (KV_BLOCK, build_models, install_caches, qwen3_8b_dflash_config,
+                      qwen3_8b_target_config, release_caches, round_up)
+    res = Results("policy" + ("-quick" if quick else ""), floors=measure_floors(),
+                  xlabel="p (draft right)")
+    target, drafter = build_models(qwen3_8b_target_config(), qwen3_8b_dflash_config())
+    for b, s in cases or (QUICK_CASES if quick else CASES):
+        max_len = round_up(s + NEW_TOKENS + 2 * 16 + 2, KV_BLOCK)
+        blocks = (b + 1) * max_len // KV_BLOCK
+        try:
+            install_caches(target, drafter, b + 1, blocks, max_len, fill=False)
+            run_case(res, target, drafter, b, s)
+        except torch.cuda.OutOfMemoryError as e:
+            _say(f"B={b} S={s}: out of memory, skipped ({str(e).splitlines()[0][:120]})")
+        finally:
+            release_caches(target, drafter)
+    res.notes += [
+        "oracle drafter: the real drafter's step, its drafts then replaced by the target's "
+        "token with probability p (else a wrong one), independently per position",
+        "tokens a second: new tokens / (wall time - prefill - graph capture), after one warm-up "
+        "run of each strategy; plain decode subtracts the loop's measured prefill of the same "
+        "prompts",
+        f"{NEW_TOKENS} new tokens a request, random prompts, Qwen3-8B target and "
+        "Qwen3-8B-DFlash-b16 drafter shapes, random bf16 weights, block 16",
+    ]
+    res.plot = lambda path: plot(res, path)  # the suite's own figure
+    return res
