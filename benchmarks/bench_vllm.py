@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import time
+from typing import Optional
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -85,11 +86,38 @@ PARTS = (  # kernel-name patterns, first match wins: the profile's parts (table 
 
 
 def part_of(name: str) -> str:
-    low = name.lower()
+    # "flash" (FlashAttention's kernels) is also in every dflash_ops:: kernel name and in vLLM's
+    # _prepare_dflash_inputs_kernel: match it with the "dflash" taken out
+    low = name.lower().replace("dflash", "")
     for part, keys in PARTS:
         if any(k in low for k in keys):
             return part
     return "other"
+
+
+TRITON_ATTN = "kernel_unified_attention"  # vLLM's TRITON_ATTN kernel (target and stock drafter)
+
+
+def attention_split(by: dict, b: int, s: int) -> Optional[dict]:
+    """The draft attention of stock vs ours (us an iteration), from one profile of each: stock's
+    drafter runs TRITON_ATTN like its target, so its share is stock's TRITON_ATTN time minus
+    the custom run's (there TRITON_ATTN is the target's only; ours is every dflash_ops
+    attention kernel). None without both profiles."""
+    st = (by.get(("stock", b, s)) or {}).get("kernels_us_per_iter")
+    cu = (by.get(("custom", b, s)) or {}).get("kernels_us_per_iter")
+    if not st or not cu:
+        return None
+    def ta(kernels):  # its 2d / 3d variants and the 3d path's segment reduction included
+        return sum(v for k, v in kernels.items()
+                   if k.startswith(TRITON_ATTN) or k.startswith("reduce_segments"))
+
+    tgt = ta(cu)
+    ours = sum(v for k, v in cu.items() if "dflash_ops" in k and part_of(k) == "attention")
+    stock = ta(st) - tgt
+    plain = (by.get(("plain", b, s)) or {}).get("kernels_us_per_iter") or {}
+    return {"target verify (TRITON_ATTN)": tgt, "target decode (plain)": ta(plain),
+            "draft, stock (TRITON_ATTN)": stock, "draft, ours (CUSTOM)": ours,
+            "stock / ours": stock / ours if ours else None}
 
 
 def _kernel_us(prof) -> dict:
@@ -218,6 +246,18 @@ def table(args) -> int:
                     cells.append(f"{val:.1f}" + (f" (+{val - ref:.1f})" if ref is not None
                                                  and v != "plain" else ""))
                 lines.append(f"| {b} x {s} | {v} | " + " | ".join(cells) + " |")
+    if args.parts:
+        split = {(b, s): attention_split(by, b, s) for b, s in keys}
+        split = {k: v for k, v in split.items() if v}
+        if split:
+            cols = list(next(iter(split.values())))
+            lines += ["", "attention by owner, us an iteration (stock's draft share = its "
+                      "TRITON_ATTN time minus the custom run's, which is the target's only)", "",
+                      "| B x S | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+            for (b, s), v in split.items():
+                lines.append(f"| {b} x {s} | " + " | ".join(
+                    "-" if v[c] is None else (f"{v[c]:.2f}x" if c == "stock / ours"
+                                              else f"{v[c]:.1f}") for c in cols) + " |")
     text = "\n".join(lines)
     print(text)
     if args.md:

@@ -75,3 +75,27 @@ def test_table_parts_sum_profiled_kernels_and_subtract_plain(tmp_path):
     assert "| 1 x 1024 | plain | 100.0 | 2000.0 | 50.0 | 30.0 | 2180.0 |" in lines
     assert ("| 1 x 1024 | stock | 400.0 (+300.0) | 2600.0 (+600.0) | 80.0 (+30.0) | "
             "30.0 (+0.0) | 3110.0 (+930.0) |") in lines
+
+
+def test_table_splits_attention_by_owner(tmp_path):
+    """Stock's drafter runs TRITON_ATTN like its target: its share is stock's TRITON_ATTN time
+    minus the custom run's (the target's only there); ours is the dflash_ops attention kernels,
+    and no other dflash_ops kernel (their names contain "flash") counts as attention."""
+    ours = "void dflash_ops::attention::attn_mma_kernel<dflash_ops::detail::BF16, 128>(x)"
+    ctx = "void dflash_ops::(anonymous namespace)::silu_kernel<8>(y)"
+    rows = [dict(variant="plain", batch=1, context=8192, ms_per_iter=2.0,
+                 kernels_us_per_iter={"kernel_unified_attention_2d": 250.0}),
+            dict(variant="stock", batch=1, context=8192, ms_per_iter=6.0,
+                 kernels_us_per_iter={"kernel_unified_attention_2d": 4000.0,
+                                      "_prepare_dflash_inputs_kernel": 5.0}),
+            dict(variant="custom", batch=1, context=8192, ms_per_iter=4.0,
+                 kernels_us_per_iter={"kernel_unified_attention_2d": 2200.0, ours: 150.0,
+                                      ctx: 7.0, "_prepare_dflash_inputs_kernel": 5.0})]
+    res = tmp_path / "r.jsonl"
+    res.write_text("\n".join(json.dumps(r) for r in rows))
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_vllm.py"), "table",
+                          str(res), "--parts"], capture_output=True, text=True, check=True)
+    lines = out.stdout.strip().splitlines()
+    assert "| 1 x 8192 | 2200.0 | 250.0 | 1800.0 | 150.0 | 12.00x |" in lines
+    # the parts table: attention of custom = TRITON_ATTN + ours; silu and prepare are "other"
+    assert any(ln.startswith("| 1 x 8192 | custom | 2350.0 (+2100.0) |") for ln in lines), lines
