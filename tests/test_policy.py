@@ -142,10 +142,15 @@ def test_decode_only_equals_plain_greedy_and_keeps_drafting_possible():
     assert st.blocks == {1: st.iterations} and st.acceptance == [] and st.drafted == 0
 
 
-def test_policy_drafts_when_drafts_are_right_and_decodes_when_wrong():
-    """The real policy on CPU timings: the counter pair accepts every draft, so drafting a block
-    of 8 commits 8 tokens at the cost of a few decode steps; the same pair with the drafter
-    copying from one position off accepts nothing, so decoding wins."""
+def test_policy_drafts_when_drafts_are_right_and_decodes_when_wrong(monkeypatch):
+    """The real policy in the loop, its measured costs replaced by a fixed model (an iteration
+    of block 8 costs 3 decode steps; CPU timings are too noisy for a test, and on this CPU the
+    real ratio is near the break-even): the counter pair accepts every draft, so drafting a
+    block of 8 wins; the same pair with the drafter copying from one position off accepts
+    nothing, so decoding wins."""
+    observe = P.Policy.observe
+    monkeypatch.setattr(P.Policy, "observe", lambda self, b, bucket, longest, seconds, *a:
+                        observe(self, b, bucket, longest, {1: 1.0, 8: 3.0}[b], *a))
     target, drafter = _pair()
     prompts = counter_prompts(2, vocab=SMALL["vocab"], lengths=(70, 75), seed=1)
     _, st = speculative_generate(target, drafter, prompts, 120, steps="direct")
@@ -183,25 +188,25 @@ def test_sampling_through_decode_iterations_matches_target_distribution(cycle, m
     assert_matches_joint(counts, total, want)
 
 
-def test_costs_outlive_the_call():
+def test_costs_outlive_the_call(monkeypatch):
     """The warm-up call measures; a later call on the same pair starts from its costs (the
-    demo's timed run does not explore again)."""
+    demo's timed run does not explore again). Costs from a fixed model, as above."""
     from dflash_ops.speculator import loop
+    observe = P.Policy.observe
+    monkeypatch.setattr(P.Policy, "observe", lambda self, b, bucket, longest, seconds, *a:
+                        observe(self, b, bucket, longest, {1: 1.0, 8: 3.0}[b], *a))
     target, drafter = _pair()
     prompts = counter_prompts(2, vocab=SMALL["vocab"], lengths=(70, 75), seed=1)
     speculative_generate(target, drafter, prompts, 20, steps="direct")
-    (key, (cost, warm, pair)), = loop._POLICY_COSTS[drafter].items()
+    (key, mem), = loop.policy_memory(drafter).items()
     assert key == (id(target), "direct", False, (1, 8))
-    assert {b for b, _ in cost} == {1, 8} and all(cost.values()) and len(warm) == 2
-    assert pair[1] > 0 and pair[0] / pair[1] > 0.9  # every draft accepted
+    assert {b for b, _ in mem.cost} == {1, 8} and all(mem.cost.values()) and len(mem.warm) == 2
+    assert mem.pair[1] > 0 and mem.pair[0] / mem.pair[1] > 0.9  # every draft accepted
     seen = []
     real = P.Policy.choose
-    monkey = pytest.MonkeyPatch()
-    monkey.setattr(P.Policy, "choose", lambda self, *a: seen.append(real(self, *a)) or seen[-1])
-    try:
-        got, _ = speculative_generate(target, drafter, prompts, 20, steps="direct")
-    finally:
-        monkey.undo()
+    monkeypatch.setattr(P.Policy, "choose",
+                        lambda self, *a: seen.append(real(self, *a)) or seen[-1])
+    got, _ = speculative_generate(target, drafter, prompts, 20, steps="direct")
     assert got == plain_greedy(target, prompts, 20)
     # every draft is right, so with costs and the pair's acceptance known it drafts from the
     # start; exploring again would run 8, 8, 1, 1 first
@@ -230,3 +235,17 @@ def test_oracle_drafter_is_right_with_probability_p(steps):
         assert got == want
         means[p] = sum(a - 1 for a in st.acceptance) / st.drafted
     assert means[1.0] > 0.9 and means[0.0] == 0.0 and 0.05 < means[0.5] < 0.5, means
+
+
+def test_memory_keeps_the_probe_interval_and_forgets_acceptance_on_request():
+    mem = P.PolicyMemory()
+    pol = P.Policy([1, 8], 1, memory=mem)
+    for _ in range(120):  # nothing accepted, drafting 3x a decode's cost: decoding, probing
+        b = pol.choose([0], 1, 50)
+        _feed(pol, b, 1, {8: 0.012, 1: 0.004}[b], 1, n=1)
+    assert mem.probe > P.PROBE_FIRST and mem.pair[1] > 0 and mem.pair[0] == 0
+    again = P.Policy([1, 8], 1, memory=mem)  # a later call: measured, decoding at once
+    assert again.rate(0) == 0.0 and again.choose([0], 1, 50) == 1
+    mem.forget_acceptance()
+    assert mem.probe == P.PROBE_FIRST and mem.pair == [0.0, 0.0] and mem.cost
+    assert P.Policy([1, 8], 1, memory=mem).rate(0) == pytest.approx(0.5)  # the prior again

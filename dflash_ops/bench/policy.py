@@ -17,9 +17,9 @@ come from the ``never`` run of the case (greedy, so every strategy commits the s
 outputs are checked equal). Tokens a second count the new tokens over the time after the prefill
 (the loop's ``Stats.seconds['prefill']``, synchronised; for plain decode the same prefill is
 measured once and subtracted), capture excluded. A warm-up run of each strategy first in each
-case (compiles, autotuning, and the policy's cost table, which it keeps per drafter across
-calls, as a server would; its acceptance prior follows the pair across calls too, so a change
-of p reaches it through the decayed estimates, as a change of text would).
+case (compiles, autotuning, the policy's cost table, which it keeps per drafter across calls
+as a server would); each p is a new workload: the policy forgets the pair's acceptance (keeps
+the costs) and gets one warm-up run on it before the timed one.
 
 Target (issue 18): the policy never more than 3% slower than the better of ``always`` and
 ``plain decode`` at any grid point, and faster than both somewhere.
@@ -110,13 +110,16 @@ def run_case(res: Results, target, drafter, batch: int, context: int, ps=P_GRID,
     plain = batch * n_new / max(1e-9, plain_s - prefill)
     if plain_out != want:
         _say(f"{label}: plain decode and the loop's tokens differ (bf16 near ties)")
+    from ..speculator.loop import policy_memory
     for i, p in enumerate(ps):
         oracle.p = p
+        for mem in policy_memory(oracle).values():  # a new workload: keep only the costs
+            mem.forget_acceptance()
         rates = {"plain decode": plain, "never": never}
         notes = {}
         for name, kw in (("always", dict(policy=False)), ("policy", {})):
-            if i == 0:  # warm-up: compiles and captures; the policy measures its costs
-                _loop_rate(target, oracle, prompts, n_new, **kw)
+            if i == 0 or name == "policy":  # warm-up: compiles and captures (first p); the
+                _loop_rate(target, oracle, prompts, n_new, **kw)  # policy learns this p
             out, rate, st, _ = _loop_rate(target, oracle, prompts, n_new, **kw)
             if out != want:
                 raise AssertionError(f"policy bench {label} p={p} {name}: output differs from "

@@ -31,7 +31,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from .draft_step import DraftStep
-from .policy import Policy
+from .policy import Policy, PolicyMemory
 from .step import DecodeIteration, Iteration, Sampling, State, Stats, check_pair, sync_device
 from .verify_step import VerifyStep
 
@@ -183,10 +183,15 @@ class _Steps:
         self._held = []
 
 
-# drafter -> {(id(target), steps, sampling, blocks): (cost, warm, pair acceptance)}: the
-# policy's measured step costs and the pair's acceptance, kept for the next call on the same
-# pair (a warm-up call measures them)
+# drafter -> {(id(target), steps, sampling, blocks): PolicyMemory}: the policy's measured step
+# costs, the pair's acceptance and its probe interval, kept for the next call on the same pair
+# (a warm-up call measures them)
 _POLICY_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def policy_memory(drafter) -> dict:
+    """The policy's memories for ``drafter`` ({key: PolicyMemory}; empty before a call)."""
+    return _POLICY_COSTS.get(drafter, {})
 
 
 def _policy_blocks(fn: str, policy: bool, policy_blocks, bsz: int) -> list:
@@ -299,7 +304,7 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
         pol = None
         if len(blocks) > 1:  # step costs remembered per drafter across calls
             mem = _POLICY_COSTS.setdefault(drafter, {}).setdefault(
-                (id(target), steps, sampling is not None, tuple(blocks)), ({}, set(), [0.0, 0.0]))
+                (id(target), steps, sampling is not None, tuple(blocks)), PolicyMemory())
             pol = Policy(blocks, n, memory=mem)
         lengths = [len(p) + 1 for p in prompts]  # each request's positions, on the host
         committed, act, b = n, None, blocks[-1]

@@ -27,6 +27,7 @@ the active requests it picks the option with the most expected tokens a second:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 PRIOR = (1.0, 2.0)  # (accepted, judged) drafts before any evidence: a = 0.5
@@ -48,20 +49,39 @@ def context_bucket(longest: int) -> int:
     return 1 << max(0, int(longest) - 1).bit_length()
 
 
+@dataclass
+class PolicyMemory:
+    """What a policy learns about a pair and keeps across calls (the loop keeps one per
+    drafter, target, steps mode, sampling and block options): measured iteration costs
+    ``cost`` {(block, bucket): {context bucket: seconds}}, the (block, bucket) keys whose
+    warm-up run is done, the pair's decayed acceptance [accepted, judged] (new requests'
+    prior) and the probe interval while decoding."""
+    cost: Dict[Tuple[int, int], Dict[int, float]] = field(default_factory=dict)
+    warm: set = field(default_factory=set)
+    pair: List[float] = field(default_factory=lambda: [0.0, 0.0])
+    probe: int = PROBE_FIRST
+
+    def forget_acceptance(self) -> None:
+        """Keep the costs, drop what was learnt about acceptance (a new workload)."""
+        self.pair = [0.0, 0.0]
+        self.probe = PROBE_FIRST
+
+
 class Policy:
     """``options``: the block sizes the loop can run (1: decode without drafting; others: a
     draft of b - 1 tokens + a verify of b rows), ``n``: the request slots. ``choose`` before an
     iteration, ``observe`` after it; ``decisions`` counts the iterations per block size."""
 
-    def __init__(self, options: Sequence[int], n: int, memory: Optional[tuple] = None):
-        """``memory``: (cost, warm, pair acceptance [accepted, judged]) of earlier runs of the
-        same pair and settings, shared and updated (the loop keeps one per drafter), so that a
-        later run starts measured and with the pair's acceptance as its requests' prior."""
+    def __init__(self, options: Sequence[int], n: int, memory: Optional[PolicyMemory] = None):
+        """``memory``: a PolicyMemory of earlier runs of the same pair and settings, shared and
+        updated, so that a later run starts measured, with the pair's acceptance as its
+        requests' prior and the probe interval where the last run left it."""
         opts = sorted(set(int(b) for b in options))
         if not opts or opts[0] < 1:
             raise ValueError(f"Policy: options must be block sizes >= 1, got {list(options)}")
         self.options = opts
-        cost, warm, pair = memory if memory is not None else ({}, set(), [0.0, 0.0])
+        self.memory = memory = memory if memory is not None else PolicyMemory()
+        cost, warm, pair = memory.cost, memory.warm, memory.pair
         # the pair's acceptance over earlier requests (decayed), the prior of new ones
         self.pair = pair
         prior = (PRIOR[1] * pair[0] / pair[1], PRIOR[1]) if pair[1] > 0 else PRIOR
@@ -70,7 +90,6 @@ class Policy:
         self.warm: set = warm  # (b, bucket) whose warm-up run is done
         self.decisions: Dict[int, int] = {b: 0 for b in opts}
         self._decoding = 0  # consecutive decode iterations
-        self._probe = PROBE_FIRST
         self._probing = False
 
     # -- estimates -------------------------------------------------------------------------
@@ -105,7 +124,7 @@ class Policy:
                 return self._take(b, probing=False)
         rates = self.rates(requests, bucket, ctx)
         best = max(rates, key=lambda b: (rates[b], b))
-        if best == 1 and len(self.options) > 1 and self._decoding >= self._probe:
+        if best == 1 and len(self.options) > 1 and self._decoding >= self.memory.probe:
             return self._take(self.options[-1], probing=True)
         return self._take(best, probing=False)
 
@@ -142,9 +161,9 @@ class Policy:
             self._probing = False
             rates = self.rates(requests, bucket, context_bucket(longest))
             if rates and max(rates, key=lambda x: (rates[x], x)) == 1:
-                self._probe = min(PROBE_MAX, 2 * self._probe)  # still not worth it
+                self.memory.probe = min(PROBE_MAX, 2 * self.memory.probe)  # still not worth it
             else:
-                self._probe = PROBE_FIRST
+                self.memory.probe = PROBE_FIRST
 
     def summary(self) -> List[str]:
         return [f"block {b}: {n}" for b, n in self.decisions.items() if n]
