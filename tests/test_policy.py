@@ -249,3 +249,14 @@ def test_memory_keeps_the_probe_interval_and_forgets_acceptance_on_request():
     mem.forget_acceptance()
     assert mem.probe == P.PROBE_FIRST and mem.pair == [0.0, 0.0] and mem.cost
     assert P.Policy([1, 8], 1, memory=mem).rate(0) == pytest.approx(0.5)  # the prior again
+
+
+def test_bench_policy_cases_from_the_environment(monkeypatch):
+    from dflash_ops.bench import policy as bp
+    monkeypatch.setenv(bp.ENV_CASES, "2x1q")
+    with pytest.raises(ValueError, match="DFLASH_OPS_BENCH_POLICY_CASES: '2x1q' is not BxS"):
+        bp.run()
+    if not torch.cuda.is_available():
+        monkeypatch.setenv(bp.ENV_CASES, "2x1k")
+        with pytest.raises(RuntimeError, match="needs a CUDA GPU; nothing was run"):
+            bp.run()

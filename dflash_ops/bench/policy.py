@@ -21,6 +21,10 @@ case (compiles, autotuning, the policy's cost table, which it keeps per drafter 
 as a server would); each p is a new workload: the policy forgets the pair's acceptance (keeps
 the costs) and gets one warm-up run on it before the timed one.
 
+Cases: B 1 / 8 / 32 x S 1k / 8k / 32k (``--quick``: 1 x 1k, 8 x 1k, 1 x 8k), or
+``DFLASH_OPS_BENCH_POLICY_CASES`` (``BxS`` comma-separated, ``k`` = 1024); a case that does not
+fit in memory is skipped with a line saying so.
+
 Target (issue 18): the policy never more than 3% slower than the better of ``always`` and
 ``plain decode`` at any grid point, and faster than both somewhere.
 """
@@ -164,11 +168,19 @@ def plot(res: Results, path) -> Optional[str]:
     return res._save_figure(fig, path)
 
 
+ENV_CASES = "DFLASH_OPS_BENCH_POLICY_CASES"  # e.g. "32x1k,8x32k": replaces the cases
+
+
 def run(quick: bool = False, cases=None) -> Results:
+    import os
+
+    from .e2e import (KV_BLOCK, build_models, install_caches, parse_cases,
+                      qwen3_8b_dflash_config, qwen3_8b_target_config, release_caches, round_up)
+    env = os.environ.get(ENV_CASES, "").strip()
+    if env and cases is None:
+        cases = parse_cases(env, ENV_CASES)  # a bad value fails before the GPU check
     if not torch.cuda.is_available():
         raise RuntimeError("policy suite: needs a CUDA GPU; nothing was run.")
-    from .e2e import (KV_BLOCK, build_models, install_caches, qwen3_8b_dflash_config,
-                      qwen3_8b_target_config, release_caches, round_up)
     res = Results("policy" + ("-quick" if quick else ""), floors=measure_floors(),
                   xlabel="p (draft right)")
     target, drafter = build_models(qwen3_8b_target_config(), qwen3_8b_dflash_config())
