@@ -260,3 +260,18 @@ def test_bench_policy_cases_from_the_environment(monkeypatch):
         monkeypatch.setenv(bp.ENV_CASES, "2x1k")
         with pytest.raises(RuntimeError, match="needs a CUDA GPU; nothing was run"):
             bp.run()
+
+
+@pytest.mark.parametrize("blocks", [(1,), (1, 8), (8,)])
+def test_steps_hold_one_scratch_slot_in_both_caches(blocks):
+    """Every step set holds request slot n in both caches (the decode step writes its padded
+    rows' context into the drafter's) and gives both back on close."""
+    from dflash_ops.speculator import loop
+    target, drafter = _pair()
+    steps = loop._Steps(target, drafter, 2, list(blocks), logits=False)
+    try:
+        assert 2 in target.cache.in_use() and 2 in drafter.cache.in_use()
+        assert set(steps.pairs) == set(blocks)
+    finally:
+        steps.close()
+    assert 2 not in target.cache.in_use() and 2 not in drafter.cache.in_use()

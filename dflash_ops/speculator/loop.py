@@ -157,9 +157,10 @@ class _Steps:
             big = max(blocks)
             target.add_request(n, big)
             self._held.append(target)
-            if big > 1:
-                drafter.cache.add_request(n, big)
-                self._held.append(drafter.cache)
+            # the drafter's too, even for decoding only: the decode step writes its padded
+            # rows' context at position 0 of this slot
+            drafter.cache.add_request(n, big)
+            self._held.append(drafter.cache)
             for b in sorted(blocks, reverse=True):
                 dstep = None if b == 1 else DraftStep(
                     drafter, max_batch=n, scratch_request=n, block_size=b, logits=logits,
