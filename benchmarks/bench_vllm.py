@@ -223,7 +223,8 @@ def table(args) -> int:
         pre = [by.get((v, b, s), {}).get("precompute_ms_mean") for v in VARIANTS[1:]]
         cells.append(" / ".join(f"{p:.3f}" if p is not None else "-" for p in pre))
         lines.append("| " + " | ".join(cells) + " |")
-    if args.parts and any(r.get("kernels_us_per_iter") for r in rows):  # each variant's GPU time an iteration by part, and its excess over plain
+    # each variant's GPU time an iteration by part, and its excess over plain
+    if args.parts and any(r.get("kernels_us_per_iter") for r in rows):
         names = ["attention", "gemm", "norm/rope/kv", "other"]
         lines += ["", "GPU time an iteration by part, us (torch profiler; over plain in "
                   "parentheses: the drafter's share)", "",

@@ -9,8 +9,9 @@ the active requests it picks the option with the most expected tokens a second:
 - ``E_r(b)``, the tokens request r commits with block b: 1 + a + ... + a^(b-1) = (1 - a^b) /
   (1 - a) under a geometric model of acceptance, a = the request's running rate at which a
   draft is accepted given the previous one was (accepted drafts over drafts judged: a
-  rejection is judged, drafts after it are not), decayed so that it follows the text, from a
-  prior of one accepted and one rejected draft. b = 1 is plain decoding: exactly one token.
+  rejection is judged, drafts after it are not), decayed so that it follows the text; a new
+  request's prior is worth two judged drafts at the pair's acceptance over earlier requests
+  (one accepted and one rejected draft before any). b = 1 is plain decoding: one token.
 - ``cost``: the seconds of one iteration of that option for this batch bucket (the steps'
   padded batch) and context bucket (the next power of two of the longest active request), the
   wall time the loop measures around the iteration (which ends in the loop's one host read),
@@ -18,8 +19,9 @@ the active requests it picks the option with the most expected tokens a second:
   the graph's first replay) and is not used. An option never run at a context bucket takes
   its estimate from the nearest measured context bucket of the same batch bucket; an option
   never run in a batch bucket is explored (run once to warm up, once to measure).
-- The costs and the pair's acceptance outlive a call: the loop keeps them per drafter (and target, steps mode and
-  sampling), so a warm-up call measures and later calls start from its table.
+- Costs, the pair's acceptance and the probe interval outlive a call (``PolicyMemory``, kept
+  by the loop per drafter, target, steps mode, sampling and options): a warm-up call measures,
+  later calls start from its table.
 - While it decodes, the acceptance rates cannot move: every ``probe`` consecutive decode
   iterations it drafts once with the largest block to look again; the interval doubles (up
   to 256) each time the probe leaves decoding the better choice, so a pair that never pays
@@ -164,6 +166,3 @@ class Policy:
                 self.memory.probe = min(PROBE_MAX, 2 * self.memory.probe)  # still not worth it
             else:
                 self.memory.probe = PROBE_FIRST
-
-    def summary(self) -> List[str]:
-        return [f"block {b}: {n}" for b, n in self.decisions.items() if n]
