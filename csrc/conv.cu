@@ -11,6 +11,10 @@
 // pointers allow) of ROWS consecutive rows and walks them in order, so the rows t - o it reads
 // for the later taps are the ones it read just before (L1 hits: x comes from DRAM once). When
 // the VEC channels share one group (G % VEC == 0) a tap's dynamic weight is one load.
+// ROWS is 8 from kWalkFrom rows on and 1 below: the walk's rows are a chain of dependent load
+// round trips (each row's loads wait for the previous row's), which at the drafter's T <= 512
+// left the grid too small to hide them (9.6 us at T 64 on the H200 against Triton's 3.5; at
+// T >= 4096 the walk ran at 65-74% of copy and beat Triton).
 // Grid (row chunks, channel chunks of 128 threads): from the shapes only, graph-capturable.
 #include "dflash_ops.h"
 
@@ -47,21 +51,22 @@ struct ConvParams {
 };
 
 constexpr int kThreads = 128;
-constexpr int kRows = 8;  // rows a thread walks
+constexpr int kWalkRows = 8;     // rows a thread walks from kWalkFrom rows on (else 1)
+constexpr int64_t kWalkFrom = 2048;
 
-template <class E, int VEC, bool ONE_GROUP>
+template <class E, int VEC, bool ONE_GROUP, int ROWS>
 __global__ void __launch_bounds__(kThreads) grouped_dyn_conv_kernel(const ConvParams p) {
   using Bits = typename E::Bits;
   using P = Pack<Bits, VEC>;
   const int64_t c = (int64_t(blockIdx.y) * kThreads + threadIdx.x) * VEC;
   if (c >= p.h) return;
-  const int64_t t0 = int64_t(blockIdx.x) * kRows;
+  const int64_t t0 = int64_t(blockIdx.x) * ROWS;
   const Bits* xb = static_cast<const Bits*>(p.x);
   const Bits* db = static_cast<const Bits*>(p.dyn);
   const Bits* bb = static_cast<const Bits*>(p.base);
   Bits* yb = static_cast<Bits*>(p.y);
   const int g0 = static_cast<int>(c) / p.group;  // H < 2^31 (checked)
-  for (int r = 0; r < kRows; ++r) {
+  for (int r = 0; r < ROWS; ++r) {
     const int64_t t = t0 + r;
     if (t >= p.rows) break;
     const int pos = static_cast<int>(t) % p.block;  // T < 2^31 (checked)
@@ -99,17 +104,26 @@ __global__ void __launch_bounds__(kThreads) grouped_dyn_conv_kernel(const ConvPa
 // ---------------------------------------------------------------------------------------------
 // Host side.
 
-template <class E, int VEC, bool ONE_GROUP>
-void launch(const ConvParams& p, cudaStream_t stream) {
+template <class E, int VEC, bool ONE_GROUP, int ROWS>
+void launch_rows(const ConvParams& p, cudaStream_t stream) {
   const int64_t nvec = p.h / VEC;
   const int64_t chunks = (nvec + kThreads - 1) / kThreads;
-  const int64_t row_chunks = (p.rows + kRows - 1) / kRows;
+  const int64_t row_chunks = (p.rows + ROWS - 1) / ROWS;
   TORCH_CHECK_VALUE(chunks <= 65535 && row_chunks <= std::numeric_limits<int32_t>::max(),
                     "dflash.grouped_dyn_conv: x of ", p.rows, " rows of ", p.h,
                     " is too large for one launch");
   const dim3 grid(static_cast<unsigned>(row_chunks), static_cast<unsigned>(chunks));
-  grouped_dyn_conv_kernel<E, VEC, ONE_GROUP><<<grid, kThreads, 0, stream>>>(p);
+  grouped_dyn_conv_kernel<E, VEC, ONE_GROUP, ROWS><<<grid, kThreads, 0, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <class E, int VEC, bool ONE_GROUP>
+void launch(const ConvParams& p, cudaStream_t stream) {
+  if (p.rows >= kWalkFrom) {
+    launch_rows<E, VEC, ONE_GROUP, kWalkRows>(p, stream);
+  } else {
+    launch_rows<E, VEC, ONE_GROUP, 1>(p, stream);
+  }
 }
 
 template <class E>

@@ -77,10 +77,12 @@ def test_no_tap_crosses_a_block_boundary():
 
 # (r, b, h, k, gs, strided dynamic, x row padding): the CUDA kernel's paths too: 16-byte
 # vectors whose channels share one group, vectors spanning groups (gs 4), single elements
-# (h 20: no 16-byte vectors in bf16 / fp16; a padded row stride), several row chunks (T > 8)
+# (h 20: no 16-byte vectors in bf16 / fp16; a padded row stride), one row a thread (T < 2048)
+# and the 8-row walk (T >= 2048: blocks of 5 across walk chunks, a partial last chunk)
 GRID = [(3, 16, 64, 2, 16, False, 0), (2, 5, 48, 3, 8, True, 0), (4, 1, 32, 2, 32, False, 0),
         (2, 3, 32, 4, 4, True, 0), (1, 8, 320, 2, 16, True, 0), (5, 2, 24, 1, 24, False, 0),
-        (3, 4, 20, 2, 4, True, 0), (2, 8, 64, 3, 16, False, 8), (2, 6, 40, 2, 8, False, 3)]
+        (3, 4, 20, 2, 4, True, 0), (2, 8, 64, 3, 16, False, 8), (2, 6, 40, 2, 8, False, 3),
+        (420, 5, 32, 3, 8, False, 0), (260, 8, 64, 2, 16, True, 0)]
 
 
 def check_backend(device, dtypes, backend="triton"):
