@@ -88,9 +88,16 @@ struct StepRegs {
   int64_t cand[CPW];
 };
 
+// The first kCandSmem candidate ids of the request (its first kCandSmem / k steps), loaded into
+// shared memory by the whole block before the walk: a step's codebook-row loads then need no
+// id round trip first (a warp issues in order, so waiting for the ids at the top of step j
+// held up step j's compute by one memory latency).
+constexpr int kCandSmem = 1024;
+
 template <class E, int DPL, int CPW>
 __device__ __forceinline__ void load_step(const SelectParams& p, int64_t r, int j, int warp,
-                                          int lane, StepRegs<DPL, CPW>& s) {
+                                          int lane, StepRegs<DPL, CPW>& s,
+                                          const int64_t* s_cand) {
   using Bits = typename E::Bits;
   const Bits* pred = static_cast<const Bits*>(p.pred);
   const Bits* succ = static_cast<const Bits*>(p.succ);
@@ -104,7 +111,8 @@ __device__ __forceinline__ void load_step(const SelectParams& p, int64_t r, int 
   for (int c = 0; c < CPW; ++c) {
     const int i = warp * CPW + c;
     const bool in = i < p.k;
-    const int64_t id = in ? __ldg(p.cand + row * p.k + i) : -1;
+    const int64_t at = int64_t(j) * p.k + i;  // within the request
+    const int64_t id = !in ? -1 : at < kCandSmem ? s_cand[at] : __ldg(p.cand + row * p.k + i);
     const bool ok = id >= 0 && id < p.v;
     s.cand[c] = id;
     s.un[c] = in ? load_any(p.unary, row * p.k + i, p.unary_dt) : 0.0f;
@@ -124,6 +132,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const SelectParams 
   __shared__ float s_score[kWarps * CPW];
   __shared__ float s_pv[kMaxRank];
   __shared__ int s_pick;
+  __shared__ int64_t s_cand[kCandSmem];
   const int64_t r = blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const bool sample = p.u != nullptr;
@@ -140,9 +149,15 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const SelectParams 
     }
   }
   StepRegs<DPL, CPW> cur, nxt;
-  load_step<E, DPL, CPW>(p, r, 0, warp, lane, cur);
+  {
+    const int64_t n = int64_t(p.j) * p.k < kCandSmem ? int64_t(p.j) * p.k : kCandSmem;
+    const int64_t* cand = p.cand + r * p.j * p.k;
+    for (int64_t i = threadIdx.x; i < n; i += kThreads) s_cand[i] = __ldg(cand + i);
+    __syncthreads();
+  }
+  load_step<E, DPL, CPW>(p, r, 0, warp, lane, cur, s_cand);
   for (int j = 0; j < p.j; ++j) {
-    if (j + 1 < p.j) load_step<E, DPL, CPW>(p, r, j + 1, warp, lane, nxt);
+    if (j + 1 < p.j) load_step<E, DPL, CPW>(p, r, j + 1, warp, lane, nxt, s_cand);
     float qv[DPL];
 #pragma unroll
     for (int n = 0; n < DPL; ++n) qv[n] = __fmul_rn(pv[n], cur.hid[n]);
