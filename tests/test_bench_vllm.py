@@ -9,6 +9,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _table(rows, tmp_path, *args) -> list:
+    """bench_vllm.py table over ``rows`` (written as a results file): its output lines."""
+    res = tmp_path / "r.jsonl"
+    res.write_text("\n".join(json.dumps(r) for r in rows))
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_vllm.py"), "table",
+                          str(res), *args], capture_output=True, text=True, check=True)
+    return out.stdout.strip().splitlines()
+
+
 def test_table_gives_each_variants_added_time_over_plain(tmp_path):
     rows = [dict(variant="plain", batch=1, context=1024, ms_per_iter=2.5, precompute_ms_mean=None),
             dict(variant="stock", batch=1, context=1024, ms_per_iter=4.25, precompute_ms_mean=0.3),
@@ -67,11 +76,7 @@ def test_table_parts_sum_profiled_kernels_and_subtract_plain(tmp_path):
                  precompute_ms_mean=None, kernels_us_per_iter=k_plain),
             dict(variant="stock", batch=1, context=1024, ms_per_iter=4.0,
                  precompute_ms_mean=0.3, kernels_us_per_iter=k_stock)]
-    res = tmp_path / "r.jsonl"
-    res.write_text("\n".join(json.dumps(r) for r in rows))
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_vllm.py"), "table",
-                          str(res), "--parts"], capture_output=True, text=True, check=True)
-    lines = out.stdout.strip().splitlines()
+    lines = _table(rows, tmp_path, "--parts")
     assert "| 1 x 1024 | plain | 100.0 | 2000.0 | 50.0 | 30.0 | 2180.0 |" in lines
     assert ("| 1 x 1024 | stock | 400.0 (+300.0) | 2600.0 (+600.0) | 80.0 (+30.0) | "
             "30.0 (+0.0) | 3110.0 (+930.0) |") in lines
@@ -91,11 +96,7 @@ def test_table_splits_attention_by_owner(tmp_path):
             dict(variant="custom", batch=1, context=8192, ms_per_iter=4.0,
                  kernels_us_per_iter={"kernel_unified_attention_2d": 2200.0, ours: 150.0,
                                       ctx: 7.0, "_prepare_dflash_inputs_kernel": 5.0})]
-    res = tmp_path / "r.jsonl"
-    res.write_text("\n".join(json.dumps(r) for r in rows))
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_vllm.py"), "table",
-                          str(res), "--parts"], capture_output=True, text=True, check=True)
-    lines = out.stdout.strip().splitlines()
+    lines = _table(rows, tmp_path, "--parts")
     assert "| 1 x 8192 | 2200.0 | 250.0 | 1800.0 | 150.0 | 12.00x |" in lines
     # the parts table: attention of custom = TRITON_ATTN + ours; silu and prepare are "other"
     assert any(ln.startswith("| 1 x 8192 | custom | 2350.0 (+2100.0) |") for ln in lines), lines

@@ -72,7 +72,7 @@ class PolicyMemory:
 class Policy:
     """``options``: the block sizes the loop can run (1: decode without drafting; others: a
     draft of b - 1 tokens + a verify of b rows), ``n``: the request slots. ``choose`` before an
-    iteration, ``observe`` after it; ``decisions`` counts the iterations per block size."""
+    iteration, ``observe`` after it (the loop's Stats.blocks counts the choices)."""
 
     def __init__(self, options: Sequence[int], n: int, memory: Optional[PolicyMemory] = None):
         """``memory``: a PolicyMemory of earlier runs of the same pair and settings, shared and
@@ -90,7 +90,6 @@ class Policy:
         self.acc = [list(prior) for _ in range(n)]  # per request: (accepted, judged)
         self.cost: Dict[Tuple[int, int], Dict[int, float]] = cost  # (b, bucket) -> {ctx: s}
         self.warm: set = warm  # (b, bucket) whose warm-up run is done
-        self.decisions: Dict[int, int] = {b: 0 for b in opts}
         self._decoding = 0  # consecutive decode iterations
         self._probing = False
 
@@ -133,7 +132,6 @@ class Policy:
     def _take(self, b: int, probing: bool) -> int:
         self._probing = probing
         self._decoding = self._decoding + 1 if b == 1 else 0
-        self.decisions[b] += 1
         return b
 
     def observe(self, b: int, bucket: int, longest: int, seconds: float,

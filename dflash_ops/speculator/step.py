@@ -317,6 +317,8 @@ def flush_pending(drafter, state: State, block: int) -> None:
     drafter's context now and leave it empty for a step of ``block`` rows a request: the policy
     switched block size or decodes (a draft step takes pending rows of its own block size)."""
     taps, rows, pos = state.pending
+    if not taps.shape[0] and pos.shape[1] == block:
+        return  # already empty for this block size (every decode iteration after the first)
     if taps.shape[0]:
         drafter.add_context(taps, rows[:, None].expand(-1, pos.shape[1]).reshape(-1),
                             pos.reshape(-1))
