@@ -49,42 +49,52 @@ def _walk_case(seed=0, r=3, j=5, k=4, rank=8, v=40, h=16):
     return selector, hidden, z, torch.randint(0, v, (r,), generator=g), k
 
 
-def test_walk_margins_follow_the_reference_walk():
+def _seen(selector, hidden, z, anchor, k):
+    """What a check graph records, made with the reference ops (the op namespace recorded)."""
     import torch
-    from dflash_ops.bench.dflash2_step import walk_margins
-    from dflash_ops.ops.select import select_candidates_ref
-    (pred, succ, proj), hidden, z, anchor, k = _walk_case()
-    unary, cand = torch.topk(z, k, dim=-1)
-    path, _ = select_candidates_ref(unary, cand, hidden @ proj.T, anchor, pred, succ, 0.0)
-    gap, scale = walk_margins((pred, succ, proj), hidden, z, anchor, path, k)
-    assert gap.shape == scale.shape == path.shape
-    assert (gap > 0).all() and (scale > 0).all()  # random fp32 scores: no exact ties
-    # the walk's first step by hand: its gap is the top-2 difference of the scores
-    s0 = unary[:, 0] + torch.einsum("rd,rkd->rk", pred[anchor] * (hidden[:, 0] @ proj.T),
-                                    succ[cand[:, 0]])
-    top2 = s0.topk(2, -1).values
-    torch.testing.assert_close(gap[:, 0], top2[:, 0] - top2[:, 1])
+    from dflash_ops.bench.dflash2_step import _Recording
+
+    class RefOps:
+        @staticmethod
+        def row_topk(z, k):
+            from dflash_ops.ops.select import row_topk_ref
+            return row_topk_ref(z, k)
+
+        @staticmethod
+        def select_candidates(*a):
+            from dflash_ops.ops.select import select_candidates_ref
+            return select_candidates_ref(*a)
+
+    rec = _Recording(RefOps)
+    pred, succ, proj = selector
+    r, j, v = z.shape
+    unary, cand = rec.row_topk(z.reshape(r * j, v), k)
+    path, _ = rec.select_candidates(unary.view(r, j, k), cand.view(r, j, k), hidden @ proj.T,
+                                    anchor, pred, succ, 0.0, None)
+    assert set(rec.seen) == {"z", "top_vals", "top_idx", "walk", "path"}
+    assert rec.seen["path"] is not path and torch.equal(rec.seen["path"], path)  # clones
+    return rec.seen
 
 
-def test_path_agreement_compares_each_path_up_to_its_first_difference():
+def test_selector_agreement_checks_the_graphs_own_topk_and_walk():
     import torch
-    from dflash_ops.bench.dflash2_step import path_agreement
-    want = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
-    z = torch.ones(2, 4, 10)
-    gap = torch.tensor([[1.0, 0.001, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
-    scale = torch.zeros(2, 4)
-    z2 = z.clone()
-    z2[0, 1, 0] = 0.01  # the perturbation (max |dz| 0.01) where the first path parts
-    ok, err, note = path_agreement(want, z2, want, z, gap, scale, tol=1.0)
-    assert ok and "0 of 2 requests part" in note
-    # request 0 parts at a near tie (gap 0.001 <= 2 x 0.01) and differs everywhere after it
-    parted = torch.tensor([[1, 9, 9, 9], [5, 6, 7, 8]])
-    ok, _, note = path_agreement(parted, z2, want, z, gap, scale, tol=1.0)
-    assert ok and "1 of 2 requests part, 0 not at a near tie" in note
-    # request 1 parts where the reference walk's gap is wide: wrong
-    wrong = torch.tensor([[1, 2, 3, 4], [5, 6, 0, 8]])
-    ok, _, note = path_agreement(wrong, z2, want, z, gap, scale, tol=1.0)
-    assert not ok and "1 not at a near tie" in note
-    # logits beyond the tolerance fail however the paths compare
-    ok, _, _ = path_agreement(want, z2 + 1.0, want, z + 0.5, gap, scale, tol=0.1)
+    from dflash_ops.bench.dflash2_step import selector_agreement
+    selector, hidden, z, anchor, k = _walk_case()
+    seen = _seen(selector, hidden, z, anchor, k)
+    ok, err, note = selector_agreement(seen, selector, z, z, tol=0.01)
+    assert ok and err == 0 and "in 0 of 3 requests" in note
+    # a path step that is not the walk's argmax
+    bad = dict(seen, path=seen["path"].clone())
+    bad["path"][1, 2] = (bad["path"][1, 2] + 1) % 40
+    ok, _, note = selector_agreement(bad, selector, z, z, tol=0.01)
+    assert not ok and "in 1 of 3 requests" in note
+    # a top-k that lost a candidate
+    bad = dict(seen, top_idx=seen["top_idx"].clone())
+    bad["top_idx"][0, -1] = (bad["top_idx"][0, -1] + 1) % 40
+    ok, _, note = selector_agreement(bad, selector, z, z, tol=0.01)
+    assert not ok and "top-k != reference" in note
+    # logits beyond the tolerance fail however the selector compares
+    ok, _, _ = selector_agreement(seen, selector, z + 0.5, z, tol=0.01)
+    assert not ok
+    ok, _, _ = selector_agreement(seen, selector, z.clone().fill_(float("nan")), z, tol=0.01)
     assert not ok

@@ -234,7 +234,11 @@ def test_oracle_drafter_is_right_with_probability_p(steps):
         got, st = speculative_generate(target, oracle, prompts, 40, steps=steps, policy=False)
         assert got == want
         means[p] = sum(a - 1 for a in st.acceptance) / st.drafted
+        last = st.acceptance
     assert means[1.0] > 0.9 and means[0.0] == 0.0 and 0.05 < means[0.5] < 0.5, means
+    # right or wrong is fixed per position: the same run again accepts the same counts
+    again = speculative_generate(target, oracle, prompts, 40, steps=steps, policy=False)[1]
+    assert again.acceptance == last
 
 
 def test_memory_keeps_the_probe_interval_and_forgets_acceptance_on_request():

@@ -172,9 +172,10 @@ def test_graph_replay_gpu(backend):
 
 
 # ----------------------------------------------------------------------------- row_topk
-def topk_case(m, v, k, ties=False, dtype=torch.float32, seed=0, device="cpu", infs=False):
+def topk_case(m, v, k, ties=False, dtype=torch.float32, seed=0, device="cpu", infs=False,
+              flat=False):
     g = torch.Generator().manual_seed(seed)
-    z = torch.randn(m, v, generator=g)
+    z = torch.zeros(m, v) if flat else torch.randn(m, v, generator=g)  # flat: every entry ties
     if ties:  # many equal values, across the k-th place too
         z = (z * 2).round() / 2
     if infs:
@@ -195,7 +196,10 @@ def test_topk_reference_is_torch_topk_with_ties_by_index():
 
 TOPK_GRID = [dict(m=3, v=97, k=5, ties=True), dict(m=2, v=5000, k=16),
              dict(m=1, v=16, k=16, infs=True), dict(m=4, v=2049, k=TOPK_MAX),
-             dict(m=2, v=4100, k=7, ties=True, infs=True), dict(m=1, v=1, k=1)]
+             dict(m=2, v=4100, k=7, ties=True, infs=True), dict(m=1, v=1, k=1),
+             # more chunks than k: the chunk-max threshold skips chunks (ties across it too)
+             dict(m=2, v=40000, k=5), dict(m=2, v=30000, k=3, ties=True, infs=True),
+             dict(m=1, v=20000, k=4, flat=True)]
 GPU_TOPK_GRID = TOPK_GRID + [dict(m=7, v=248320, k=16), dict(m=56, v=151936, k=16, ties=True)]
 
 
