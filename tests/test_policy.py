@@ -133,12 +133,23 @@ def test_mixed_blocks_and_decodes_keep_the_drafter_context(steps, device, monkey
     assert st.drafted > 0 and sum(a - 1 for a in st.acceptance) >= 0.9 * st.drafted, st
 
 
-def test_decode_only_equals_plain_greedy_and_keeps_drafting_possible():
-    target, drafter = _pair()
-    prompts = counter_prompts(2, vocab=SMALL["vocab"], lengths=(70, 75), seed=1)
-    got, st = speculative_generate(target, drafter, prompts, 40, steps="direct",
-                                   policy_blocks=(1,))
-    assert got == plain_greedy(target, prompts, 40)
+@pytest.mark.parametrize("steps,device", [
+    ("direct", "cpu"), ("static", "cpu"),
+    pytest.param("graphs", "cuda", marks=pytest.mark.gpu)])
+def test_decode_only_equals_plain_greedy(steps, device):
+    """Decode iterations only (on the GPU with graphs: each iteration one graph of prepare,
+    decode, commit), requests ending at different iterations on a stop token, so the active
+    set and its bucket shrink (padded rows must commit nothing). The drafter's context after
+    decode iterations: test_mixed_blocks_and_decodes_keep_the_drafter_context."""
+    target, drafter = _pair(device=device)
+    prompts = counter_prompts(3, vocab=SMALL["vocab"], lengths=(70, 75, 81), seed=1)
+    free = plain_greedy(target, prompts, 40)
+    stop = [free[0][9], free[2][24]]  # request 0 ends at its 10th new token at the latest
+    want = plain_greedy(target, prompts, 40, stop_token_ids=stop)
+    assert len({len(w) for w in want}) > 1, want  # they end at different iterations
+    got, st = speculative_generate(target, drafter, prompts, 40, steps=steps,
+                                   policy_blocks=(1,), stop_token_ids=stop)
+    assert got == want
     assert st.blocks == {1: st.iterations} and st.acceptance == [] and st.drafted == 0
 
 
