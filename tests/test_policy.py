@@ -290,3 +290,34 @@ def test_steps_hold_one_scratch_slot_in_both_caches(blocks):
     finally:
         steps.close()
     assert 2 not in target.cache.in_use() and 2 not in drafter.cache.in_use()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bench_counter_target_follows_its_successor_with_a_margin(dtype):
+    """bench.policy's counter target: random weights of a Qwen3 shape except the embedding,
+    the LM head and the output projections; greedy decoding gives t + 1 (mod the successor
+    range) after any token, so every strategy commits the same tokens."""
+    from dflash_ops.bench.e2e import _random_state
+    from dflash_ops.bench.policy import counter_target
+    from dflash_ops.models.target import TargetConfig, expected_target_shapes
+    cfg = TargetConfig(hidden_size=256, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64,
+                       intermediate_size=512, vocab_size=1000, rms_norm_eps=1e-6,
+                       rope_theta=1e6, tie_word_embeddings=False, attention_bias=False,
+                       qk_norm=True, source="test")
+    state = _random_state(expected_target_shapes(cfg)[0], 0, "cpu", dtype)
+    counter_target(state, successor_of=900)
+    target = Target(cfg, state, dtype=dtype, device="cpu", max_requests=3, max_len=128,
+                    num_blocks=24, block_size=16)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 900, (n,), generator=g).tolist() for n in (5, 40, 17)]
+    prompts[0][-1] = 899  # wraps around
+    got = plain_greedy(target, prompts, 30)
+    for p, o in zip(prompts, got):
+        assert o == [(p[-1] + 1 + i) % 900 for i in range(30)]
+    # the margin: the successor's logit far above every other
+    logits, _ = target.forward(torch.tensor(prompts[1]), torch.tensor([0]), torch.tensor([0]),
+                               torch.tensor([40]), None, fp32_logits=True)
+    top2 = logits[-1].topk(2).values
+    assert top2[0] > 3 * top2[1].abs(), top2  # ~16 sqrt(H) vs the largest of N(0, 16^2)
+    with pytest.raises(ValueError, match="untied LM head"):
+        counter_target({"model.embed_tokens.weight": state["model.embed_tokens.weight"]}, 900)

@@ -166,15 +166,19 @@ def _random_state(shapes: dict, seed: int, device, dtype) -> dict:
     return state
 
 
-def build_models(tcfg, dcfg, seed: int = 0, device="cuda", dtype=torch.bfloat16):
+def build_models(tcfg, dcfg, seed: int = 0, device="cuda", dtype=torch.bfloat16,
+                 edit_target=None):
     """(Target, DFlashDrafter) with random weights drawn on the device and 1-block placeholder
-    caches (each case installs its own, ``install_caches``)."""
+    caches (each case installs its own, ``install_caches``); ``edit_target(state)`` may change
+    the target's weights (in place) before the model is built."""
     from ..models.drafter import DFlashDrafter
     from ..models.target import Target, expected_target_shapes
     from ..models.weights import expected_shapes
 
     tiny = dict(max_requests=1, max_len=KV_BLOCK)
     state = _random_state(expected_target_shapes(tcfg)[0], seed, device, dtype)
+    if edit_target is not None:
+        edit_target(state)
     target = Target(tcfg, state, dtype=dtype, device=device, num_blocks=1,
                     block_size=KV_BLOCK, **tiny)
     del state

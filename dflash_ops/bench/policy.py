@@ -14,14 +14,16 @@ The oracle (``OracleDrafter``) runs the real drafter's step, so its cost is the 
 replaces each draft with the token the target will produce there with probability p (a wrong
 token otherwise), each position by a uniform fixed per position (the same for every
 strategy): acceptance is geometric in p. The target's tokens the oracle follows are the
-strategy's own warm-up output (in bf16 a 16-row verify and a 1-row decode round differently,
-so strategies part at near ties; a request whose tokens part from the reference is counted
-in the notes). Tokens a second count the new tokens over the time after the prefill
-(the loop's ``Stats.seconds['prefill']``, synchronised; for plain decode the same prefill is
+``never`` run's output: the target is random except that its greedy next token is the
+successor of the last with a wide margin (``counter_target``), so every strategy commits the
+same tokens (with random weights alone a 16-row verify and a 1-row decode round differently
+in bf16 and part at near ties, and the oracle turns wrong after a part; parts are counted in
+the notes). Each rate is the median of REPEATS timed runs. Tokens a second count the new
+tokens over the time after the prefill (the loop's ``Stats.seconds['prefill']``, synchronised; for plain decode the same prefill is
 measured once and subtracted), capture excluded. A warm-up run of each strategy first in each
 case (compiles, autotuning, the policy's cost table, which it keeps per drafter across calls
 as a server would); each p is a new workload: the policy forgets the pair's acceptance (keeps
-the costs) and gets one warm-up run on it before the timed one.
+the costs) and gets one warm-up run on it before the timed ones.
 
 Cases: B 1 / 8 / 32 x S 1k / 8k / 32k (``--quick``: 1 x 1k, 8 x 1k, 1 x 8k), or
 ``DFLASH_OPS_BENCH_POLICY_CASES`` (``BxS`` comma-separated, ``k`` = 1024); a case that does not
@@ -44,6 +46,7 @@ P_GRID = (0.0, 0.2, 0.4, 0.6, 0.8, 0.95)
 CASES = [(b, s) for s in (1024, 8192, 32768) for b in (1, 8, 32)]
 QUICK_CASES = [(1, 1024), (8, 1024), (1, 8192)]
 NEW_TOKENS = 128
+REPEATS = 3  # timed runs a strategy and point: the median (one run drifted +-5%)
 STRATEGIES = ("plain decode", "never", "always", "policy")
 TABLE = "tokens a second after the prefill, oracle drafter right with probability p"
 SUMMARY = "policy vs the better of always and plain decode"
@@ -91,6 +94,33 @@ class OracleDrafter:
         return torch.where(hit, want, wrong), z
 
 
+def counter_target(state: dict, successor_of: int, seed: int = 7, residual: float = 1e-3) -> None:
+    """Make a random-weight target's greedy next token ``t + 1`` (mod ``successor_of``) with a
+    wide margin, in place, keeping every shape (so every cost) of the random model: embedding
+    rows e_t ~ N(0, 1/H), LM head row of t + 1 = 16 e_t, the layers' output projections
+    (o_proj, down_proj) scaled by ``residual`` so the hidden state stays near e_t: after the
+    final norm the logit of t + 1 is ~16 sqrt(H) (1024 at H 4096), the others ~N(0, 16^2)
+    (their largest of 150k ~80). Tokens >= successor_of keep random rows and never follow.
+    With the margin no rounding difference between a 16-row verify and a 1-row decode flips a
+    token (random weights' flat logits part them at near ties, after which an oracle that
+    follows one strategy's tokens is wrong for another's), so every strategy commits the same
+    tokens and the oracle's right-with-probability-p holds for all of them."""
+    emb, head = state["model.embed_tokens.weight"], state.get("lm_head.weight")
+    if head is None:
+        raise ValueError("counter_target: needs an untied LM head (lm_head.weight)")
+    v, h = emb.shape
+    m = int(successor_of)
+    g = torch.Generator(device=emb.device).manual_seed(seed)
+    e = torch.randn(m, h, generator=g, device=emb.device) * h ** -0.5
+    emb[:m].copy_(e)
+    nxt = (torch.arange(m, device=emb.device) + 1) % m
+    head[:m].zero_()
+    head[nxt] = (16.0 * e).to(head.dtype)
+    for name, t in state.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            t.mul_(residual)
+
+
 def _say(text: str) -> None:
     print(f"[policy] {text}", file=sys.stderr, flush=True)
 
@@ -108,7 +138,7 @@ def _loop_rate(target, drafter, prompts, n_new, **kw) -> tuple:
 
 
 def run_case(res: Results, target, drafter, batch: int, context: int, ps=P_GRID,
-             n_new: int = NEW_TOKENS, seed: int = 0) -> None:
+             n_new: int = NEW_TOKENS, seed: int = 0, repeats: int = REPEATS) -> None:
     from ..speculator.demo import _decode_graphed
     label = f"B={batch} S={context}"
     g = torch.Generator().manual_seed(seed)
@@ -117,15 +147,18 @@ def run_case(res: Results, target, drafter, batch: int, context: int, ps=P_GRID,
     oracle = OracleDrafter(drafter)
     # never: the reference tokens (and its warm-up run compiles the decode path)
     _loop_rate(target, oracle, prompts, n_new, policy_blocks=(1,))
-    want, never, _, prefill = _loop_rate(target, oracle, prompts, n_new, policy_blocks=(1,))
-    slots = drafter.cache.block_table.shape[0]
+    runs = [_loop_rate(target, oracle, prompts, n_new, policy_blocks=(1,))
+            for _ in range(repeats)]
+    want, _, _, prefill = runs[0]
+    never = sorted(r[1] for r in runs)[len(runs) // 2]
     _decode_graphed(target, prompts, n_new)  # warm-up
-    plain_out, plain_s = _decode_graphed(target, prompts, n_new)
-    plain = batch * n_new / max(1e-9, plain_s - prefill)
+    plains = [_decode_graphed(target, prompts, n_new) for _ in range(repeats)]
+    plain_out = plains[0][0]
+    plain = sorted(batch * n_new / max(1e-9, s - prefill) for _, s in plains)[len(plains) // 2]
     if plain_out != want:
-        _say(f"{label}: plain decode and the loop's tokens differ (bf16 near ties)")
+        _say(f"{label}: plain decode and the loop's tokens differ")
     from ..speculator.loop import policy_memory
-    refs = {}
+    oracle.set_reference(prompts, want, drafter.cache.block_table.shape[0])
     for i, p in enumerate(ps):
         oracle.p = p
         for mem in policy_memory(oracle).values():  # a new workload: keep only the costs
@@ -133,21 +166,16 @@ def run_case(res: Results, target, drafter, batch: int, context: int, ps=P_GRID,
         rates = {"plain decode": plain, "never": never}
         notes = {}
         for name, kw in (("always", dict(policy=False)), ("policy", {})):
-            # the oracle's reference is the strategy's own warm-up output: in bf16 a 16-row
-            # verify and a 1-row decode round differently (more so at batch 8: 128 rows vs
-            # 8), so the tokens of one strategy are not another's, and an oracle that follows
-            # other tokens turns wrong for the rest of a request once they part. Always
-            # drafting gives the same tokens whatever p (every verify has the same rows); the
-            # policy's mix of blocks may not: its timed run follows its warm-up's output
             if i == 0 or name == "policy":  # warm-up: compiles and captures (first p); the
-                oracle.set_reference(prompts, refs.get(name, refs.get("always", want)), slots)
-                refs[name] = _loop_rate(target, oracle, prompts, n_new, **kw)[0]  # policy
-            oracle.set_reference(prompts, refs[name], slots)  # learns this p
-            out, rate, st, _ = _loop_rate(target, oracle, prompts, n_new, **kw)
-            differ = sum(a != b for a, b in zip(out, refs[name]))
-            rates[name] = rate
-            notes[name] = (f"{differ} of {batch} outputs part from the oracle's reference; "
-                           if differ else "") + (f"acceptance {st.mean_acceptance:.2f}; "
+                _loop_rate(target, oracle, prompts, n_new, **kw)  # policy learns this p
+            runs = [_loop_rate(target, oracle, prompts, n_new, **kw) for _ in range(repeats)]
+            out, _, st, _ = runs[0]
+            # the counter target's margin: every strategy commits never's tokens (a request
+            # that parts would make the oracle wrong for it from there: counted)
+            differ = sum(a != b for a, b in zip(out, want))
+            rates[name] = sorted(r[1] for r in runs)[len(runs) // 2]  # the median
+            notes[name] = (f"{differ} of {batch} outputs differ from never's; " if differ
+                           else "") + (f"acceptance {st.mean_acceptance:.2f}; "
                            + ", ".join(f"{'decode' if b == 1 else f'block {b}'} {k}"
                                        for b, k in sorted(st.blocks.items(), reverse=True)))
         for name in STRATEGIES:
@@ -201,7 +229,10 @@ def run(quick: bool = False, cases=None) -> Results:
         raise RuntimeError("policy suite: needs a CUDA GPU; nothing was run.")
     res = Results("policy" + ("-quick" if quick else ""), floors=measure_floors(),
                   xlabel="p (draft right)")
-    target, drafter = build_models(qwen3_8b_target_config(), qwen3_8b_dflash_config())
+    dcfg = qwen3_8b_dflash_config()
+    target, drafter = build_models(
+        qwen3_8b_target_config(), dcfg,
+        edit_target=lambda st: counter_target(st, successor_of=dcfg.mask_token_id))
     for b, s in cases or (QUICK_CASES if quick else CASES):
         max_len = round_up(s + NEW_TOKENS + 2 * 16 + 2, KV_BLOCK)
         blocks = (b + 1) * max_len // KV_BLOCK
