@@ -151,6 +151,9 @@ def test_decode_only_equals_plain_greedy(steps, device):
                                    policy_blocks=(1,), stop_token_ids=stop)
     assert got == want
     assert st.blocks == {1: st.iterations} and st.acceptance == [] and st.drafted == 0
+    # static steps (graphed or not): DECODE_STEPS steps an iteration, finished requests masked
+    from dflash_ops.speculator.step import DECODE_STEPS
+    assert st.decode_steps == (1 if steps == "direct" else DECODE_STEPS) * st.iterations
 
 
 def test_policy_drafts_when_drafts_are_right_and_decodes_when_wrong(monkeypatch):

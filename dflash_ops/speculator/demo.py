@@ -26,6 +26,7 @@ import time
 import torch
 
 from ..cli import UsageError, device_arg, int_at_least, seed_arg
+from .step import DECODE_STEPS
 
 _KV_BLOCK = 16  # rows of a paged KV cache block
 
@@ -312,7 +313,8 @@ def _run(args) -> int:
     print(f"{'tokens/s':24} {total / t_plain:>14.1f} {st.committed / t_spec:>14.1f}")
     print(f"{'steps':24} {'':>14} {st.steps:>14}")
     print(f"{'iterations':24} {'':>14} {st.iterations:>14}")
-    print(f"{'target forwards':24} {n_new:>14} {1 + st.iterations:>14}")
+    forwards = 1 + st.iterations - st.blocks.get(1, 0) + st.decode_steps
+    print(f"{'target forwards':24} {n_new:>14} {forwards:>14}")
     print(f"{'host syncs / iteration':24} {'':>14} "
           f"{st.host_syncs / max(1, st.iterations):>14.2f}")
     print(f"{'acceptance length':24} {'1.00':>14} {st.mean_acceptance:>14.2f}")
@@ -335,7 +337,9 @@ def _run(args) -> int:
     print(f"acceptance length: tokens committed a request a drafting iteration; an iteration "
           f"took as long as {per_iter:.2f} plain decode steps on average")
     if policy:
-        print("policy (--policy on): each iteration drafts a block or decodes one token, "
+        print("policy (--policy on): each iteration drafts a block or decodes (greedy with "
+              f"static or graphed steps: {DECODE_STEPS} tokens a request between host reads, "
+              "else one), "
               "whichever its measured costs and the requests' acceptance make faster; "
               "--policy off always drafts")
     if speedup < 1 and not args.target and not policy:

@@ -306,7 +306,8 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
         if len(blocks) > 1:  # step costs remembered per drafter across calls
             mem = _POLICY_COSTS.setdefault(drafter, {}).setdefault(
                 (id(target), steps, sampling is not None, tuple(blocks)), PolicyMemory())
-            pol = Policy(blocks, n, memory=mem)
+            pol = Policy(blocks, n, memory=mem,
+                         decode_tokens=its[1].steps if 1 in its else 1)
         lengths = [len(p) + 1 for p in prompts]  # each request's positions, on the host
         committed, act, b = n, None, blocks[-1]
         while not all(done):

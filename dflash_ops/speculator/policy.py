@@ -11,7 +11,8 @@ the active requests it picks the option with the most expected tokens a second:
   draft is accepted given the previous one was (accepted drafts over drafts judged: a
   rejection is judged, drafts after it are not), decayed so that it follows the text; a new
   request's prior is worth two judged drafts at the pair's acceptance over earlier requests
-  (one accepted and one rejected draft before any). b = 1 is plain decoding: one token.
+  (one accepted and one rejected draft before any). b = 1 is plain decoding: one token, or
+  ``decode_tokens`` (the loop's graphed greedy decode iteration runs several steps).
 - ``cost``: the seconds of one iteration of that option for this batch bucket (the steps'
   padded batch) and context bucket (the next power of two of the longest active request), the
   wall time the loop measures around the iteration (which ends in the loop's one host read),
@@ -74,14 +75,18 @@ class Policy:
     draft of b - 1 tokens + a verify of b rows), ``n``: the request slots. ``choose`` before an
     iteration, ``observe`` after it (the loop's Stats.blocks counts the choices)."""
 
-    def __init__(self, options: Sequence[int], n: int, memory: Optional[PolicyMemory] = None):
+    def __init__(self, options: Sequence[int], n: int, memory: Optional[PolicyMemory] = None,
+                 decode_tokens: int = 1):
         """``memory``: a PolicyMemory of earlier runs of the same pair and settings, shared and
         updated, so that a later run starts measured, with the pair's acceptance as its
-        requests' prior and the probe interval where the last run left it."""
+        requests' prior and the probe interval where the last run left it. ``decode_tokens``:
+        the tokens option 1 (decoding) commits a request an iteration (the loop's graphed
+        greedy decode runs several steps between host reads)."""
         opts = sorted(set(int(b) for b in options))
         if not opts or opts[0] < 1:
             raise ValueError(f"Policy: options must be block sizes >= 1, got {list(options)}")
         self.options = opts
+        self.decode_tokens = max(1, int(decode_tokens))
         self.memory = memory = memory if memory is not None else PolicyMemory()
         cost, warm, pair = memory.cost, memory.warm, memory.pair
         # the pair's acceptance over earlier requests (decayed), the prior of new ones
@@ -113,7 +118,8 @@ class Policy:
         for b in self.options:
             c = self.cost_of(b, bucket, ctx)
             if c is not None and c > 0:
-                out[b] = sum(expected_tokens(self.rate(r), b) for r in requests) / c
+                per = (float(self.decode_tokens) if b == 1 else None)
+                out[b] = sum(per or expected_tokens(self.rate(r), b) for r in requests) / c
         return out
 
     # -- the choice --------------------------------------------------------------------------

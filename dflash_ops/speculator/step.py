@@ -48,9 +48,11 @@ class Stats:
     host_syncs: int = 0  # device-to-host reads, and synchronisations on CUDA
     steps: str = "direct"
     acceptance: List[int] = field(default_factory=list)  # tokens committed per request-iteration
-    # (drafting iterations only; decode iterations of the policy commit one token each)
+    # (drafting iterations only; the policy's decode iterations commit a token a step)
     drafted: int = 0  # drafts proposed: block - 1 per request of each drafting iteration
     blocks: dict = field(default_factory=dict)  # iterations per block size (1: decode, policy)
+    decode_steps: int = 0  # the target's decode steps in decode iterations (greedy with static
+    # steps: DECODE_STEPS an iteration; direct or sampling: 1)
     seconds: dict = field(default_factory=lambda: {"prefill": 0.0, "draft": 0.0,
                                                    "verify": 0.0, "accept": 0.0,
                                                    "capture": 0.0})
@@ -212,6 +214,7 @@ class Iteration:
             st.acceptance.extend(flags[1])
             st.drafted += (self.b - 1) * len(flags[1])
         st.blocks[self.b] = st.blocks.get(self.b, 0) + 1
+        st.decode_steps += self.b == 1
         st.iterations += 1
         return [bool(f) for f in flags[0]], flags[1]
 
@@ -326,6 +329,9 @@ def flush_pending(drafter, state: State, block: int) -> None:
     state.pending = (taps[:0], torch.zeros(0, **long), torch.zeros(0, block, **long))
 
 
+DECODE_STEPS = 4  # decode steps of a greedy static-step decode iteration between host reads
+
+
 class DecodeIteration(Iteration):
     """The policy's iteration without drafting: the target's decode step on each request's last
     token (``vstep``: a VerifyStep of block 1, graphed with ``graphs``; None: a direct call),
@@ -335,17 +341,23 @@ class DecodeIteration(Iteration):
     decoding that keeps the drafter ready to draft again."""
 
     def __init__(self, target, drafter, *, sampling: Optional[Sampling] = None, vstep=None,
-                 graphs: bool = False, stats: Optional[Stats] = None, time_stages: bool = False):
+                 graphs: bool = False, stats: Optional[Stats] = None, time_stages: bool = False,
+                 steps_per_read: int = DECODE_STEPS):
         super().__init__(target, drafter, 1, sampling=sampling, steps=(None, vstep),
                          graphs=graphs, stats=stats, time_stages=time_stages)
-        # greedy, graphed, context added by the step: the whole iteration (prepare_step_, the
-        # decode step, greedy_commit_, the flags the host reads) is one graph per bucket, so
-        # the GPU waits for the host once an iteration, for one replay. Measured on the H200
-        # (2026-12-02, bench policy, Qwen3-8B, B 1 / 8 x 1k): the iteration as separate
-        # launches ran 0.53 / 0.67 ms a token slower than plain graphed decoding
-        self.fused = (graphs and sampling is None and vstep is not None
-                      and vstep.context_drafter is not None and not time_stages)
-        self._graphs: dict = {}  # bucket -> (graph, flags [2, bucket]) for self._state
+        # greedy with static steps whose decode step adds the context: one step (graphed: one
+        # graph per bucket) holds prepare_step_, the target's step, greedy_commit_ and the
+        # flags, and it masks the requests that finished (``alive``), so ``steps`` of them run
+        # back to back before the host reads the summed flags once: the GPU waits for the host
+        # once per ``steps`` tokens. Measured on the H200 (2026-12-02, bench policy, Qwen3-8B,
+        # B 1 / 8 x 1k): separate launches and a read a token ran 0.53 / 0.67 ms a token slower
+        # than plain graphed decoding; one graph and one read a token, 0.20 / 0.21 ms. Static
+        # steps without graphs run the same steps directly (CPU tests see the masking).
+        # (its time is all "verify" stage time: nothing to synchronise between)
+        self.fused = (sampling is None and vstep is not None
+                      and vstep.context_drafter is not None)
+        self.steps = max(1, int(steps_per_read)) if self.fused else 1  # tokens an iteration
+        self._graphs: dict = {}  # bucket -> (graph, outputs) for self._state
         self._state: Optional[State] = None
         self._rows_key: Optional[torch.Tensor] = None  # the rows self._rows holds
 
@@ -355,8 +367,12 @@ class DecodeIteration(Iteration):
         st, r = self.stats, rows.shape[0]
         t0 = time.perf_counter()
         flush_pending(self.drafter, state, 1)
+        n = state.n_out.shape[0]
         if state is not self._state:  # the graphs bake in a call's state tensors
+            long = dict(dtype=torch.long, device=self.device)
             self._graphs, self._state, self._rows_key = {}, state, None
+            self._alive = torch.ones(n + 1, dtype=torch.bool, device=self.device)  # n: none's
+            self._acc = torch.zeros(2, self.vstep.max_batch, **long)  # (done, kept) summed
         vs = self.vstep
         bucket = vs.bucket(r)
         if rows is not self._rows_key:  # the loop makes a new rows tensor when the set
@@ -364,26 +380,32 @@ class DecodeIteration(Iteration):
             self._rows[:r].copy_(rows)  # and no commit
             self._rows_key = rows
         spent = 0.0
-        if bucket not in self._graphs:
+        if self.graphs and bucket not in self._graphs:
             t = time.perf_counter()
             from .. import dispatch
-            # capture_graph's warm-up runs one real iteration: it commits a token, which the
-            # first replay must commit again, so the per-request counters go back to before
-            # it (its cache writes and out_tokens column are the ones the replay repeats)
-            saved = [x.clone() for x in (state.n_out, state.start, state.last)]
+            # capture_graph's warm-up runs one real step: it commits a token, which the first
+            # replay must commit again, so the per-request counters go back to before it (its
+            # cache writes and out_tokens column are the ones the replay repeats)
+            keep = (state.n_out, state.start, state.last, self._alive, self._acc)
+            saved = [x.clone() for x in keep]
             self._graphs[bucket] = dispatch.capture_graph(
-                lambda: self._iteration(state, bucket), self.device)
-            for x, v in zip((state.n_out, state.start, state.last), saved):
+                lambda: self._step(state, bucket), self.device)
+            for x, v in zip(keep, saved):
                 x.copy_(v)
             spent = time.perf_counter() - t
             st.seconds["capture"] += spent
             st.host_syncs += 1
-        graph, flags = self._graphs[bucket]
-        graph.replay()
-        got = flags[:, :r].tolist()  # the iteration's one host read
+        self._acc.zero_()
+        for _ in range(self.steps):
+            if self.graphs:
+                self._graphs[bucket][0].replay()
+            else:
+                self._step(state, bucket)
+        got = self._acc[:, :r].tolist()  # the iteration's one host read
         st.host_syncs += 1
         st.seconds["verify"] += time.perf_counter() - t0 - spent
         st.blocks[1] = st.blocks.get(1, 0) + 1
+        st.decode_steps += self.steps
         st.iterations += 1
         return [bool(f) for f in got[0]], got[1]
 
@@ -395,19 +417,25 @@ class DecodeIteration(Iteration):
                                               device=self.device)
         return buf
 
-    def _iteration(self, state: State, bucket: int) -> torch.Tensor:
-        """The graphed iteration of ``bucket`` rows (``self._rows``): its flags [2, bucket]
-        (done, kept); rows past the active ones commit nothing."""
+    def _step(self, state: State, bucket: int) -> None:
+        """One decode step of ``bucket`` rows (``self._rows``; past the active ones -1): a row
+        whose request finished in an earlier step of the iteration (``alive`` false) becomes
+        -1 too, which prepare_step_ pads (the scratch slot) and the commit skips; the step's
+        flags are added to ``self._acc``."""
         from ..ops.loop import prepare_step_
-        vs, s, rows = self.vstep, state, self._rows[:bucket]
+        vs, s, n = self.vstep, state, state.n_out.shape[0]
+        rows = self._rows[:bucket]
+        slot = torch.where((rows >= 0) & (rows < n), rows, torch.full_like(rows, n))
+        live = torch.where(self._alive[slot], rows, torch.full_like(rows, -1))
         none = torch.zeros(bucket, 0, dtype=torch.long, device=self.device)
-        prepare_step_(rows, s.last, s.start, none, None, None, 0, vs.scratch, vs.ids[:bucket],
+        prepare_step_(live, s.last, s.start, none, None, None, 0, vs.scratch, vs.ids[:bucket],
                       vs.requests[:bucket], vs.start[:bucket])
         _, post, _ = vs._step(bucket)
-        kept, fin, _ = greedy_commit(vs.ids[:bucket], post, rows, s.n_out, s.start, s.last,
+        kept, fin, _ = greedy_commit(vs.ids[:bucket], post, live, s.n_out, s.start, s.last,
                                      s.out_tokens, s.stop, s.max_new)
-        return torch.stack([fin.long(), kept])
-
+        self._alive.index_put_((slot,), self._alive[slot] & ~fin)  # padded rows: slot n
+        self._acc[0, :bucket] |= fin.long()
+        self._acc[1, :bucket] += kept
 
     def _draft(self, state: State, rows: torch.Tensor) -> tuple:
         flush_pending(self.drafter, state, 1)
