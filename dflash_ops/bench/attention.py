@@ -68,7 +68,8 @@ read ~35 MB); larger K/V stream from HBM anyway and use one set.
 
 Options (``dflash-ops bench attention ...`` or ``benchmarks/bench_attention.py``): ``--cases``
 (comma-separated ``BxS``, S a multiple of 16; e.g. ``1x131072,128x8192``) replaces the shapes of
-the paged table, ``--tables`` (``paged``, ``masks``) picks tables, ``--no-flex`` drops the Flex
+the paged table, ``--tables`` (``paged``, ``masks``, ``configs``: the Triton kernel's launch
+configurations on the paged cases, only when named) picks tables, ``--no-flex`` drops the Flex
 columns (the compiles are most of the run time). A restricted run (``--cases`` or ``--tables``)
 writes ``attention-<cases>-<tables>.md/json/png``, so it never overwrites a full run's files.
 
@@ -94,6 +95,7 @@ import torch
 from .. import dispatch
 from .attention_columns import (BF16, BLOCK_SIZE, D, DEVICE, G, HKV, HQ, OP, QLEN, SDPA_BACKENDS,
                                 TOL_ULPS, Case, Col, check, flex_contiguous, flex_paged, ours,
+                                ours_triton_config,
                                 reference, sdpa, visible)
 from .columns import BF16_ULP, Impl, measure, msg
 from .harness import Results, floor_us, l2_bytes, measure_floors, name_list
@@ -104,7 +106,12 @@ MASK_CASE = (8, 4096)
 WINDOW = 1024
 MODES = (("non-causal", False, -1), ("causal", True, -1), (f"window {WINDOW}", False, WINDOW),
          (f"causal + window {WINDOW}", True, WINDOW))  # (name, causal, window)
-TABLES = ("paged", "masks")
+TABLES = ("paged", "masks", "configs")
+# the configs table: the Triton kernel's launch configurations (K/V tile, pipeline stages of
+# K/V tiles, warps) on the paged cases, beside ours cuda; 2 stages of 64 keys, 4 warps is the
+# default (measured 2026-11-29); the others fit the H200's 227 KB of shared memory at D 128
+TRITON_CONFIGS = ((64, 2, 4), (64, 3, 4), (64, 4, 4), (128, 2, 4), (128, 3, 4), (64, 3, 8),
+                  (128, 2, 8))
 GRAPH = True
 
 
@@ -199,6 +206,21 @@ def paged_table(res: Results, cases, timing: dict, flex_skip=None) -> None:
             torch.cuda.empty_cache()
 
 
+def configs_table(res: Results, cases, timing: dict) -> None:
+    title = (f"block_attention Triton launch configurations: {QLEN} queries/request, Hq {HQ}, "
+             f"Hkv {HKV}, D {D}, paged K/V bf16 (rows: BN keys a tile, K/V stages, warps)")
+    for b, s in cases:
+        probe = 2 * b * s * HKV * D * 2
+        case = Case(b, s, rotate_bytes=probe if probe <= 2 * l2_bytes() else None)
+        want = reference(case)
+        cols = [ours(case, "cuda")] + [ours_triton_config(case, *c) for c in TRITON_CONFIGS]
+        run_table(res, title, f"B={b} S={s}", case, cols, want, timing, keys=s,
+                  flops=4.0 * b * QLEN * HQ * s * D, x=b * s, progress="[attention configs]")
+        del case, want
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+
+
 def _mask_cols(case: Case, causal: bool, window: int, flex_skip) -> list:
     cols = [ours(case, "triton", causal, window), ours(case, "cuda", causal, window)]
     s = case.s
@@ -269,7 +291,8 @@ def add_options(p) -> None:
                    help="shapes of the paged table (B requests x S keys, e.g. 1x131072,128x8192)"
                         "; default: all shapes (--quick: fewer)")
     p.add_argument("--tables", type=name_list(TABLES, "tables"), default=None,
-                   metavar="T1,T2", help=f"tables to run (default all of {', '.join(TABLES)})")
+                   metavar="T1,T2", help=f"tables to run, of {', '.join(TABLES)} (default paged,masks; configs: "
+                        "the Triton kernel's launch configurations on the paged cases)")
     p.add_argument("--no-flex", dest="flex", action="store_false",
                    help="no FlexAttention columns (their torch.compile calls are most of the "
                         "run time)")
@@ -322,11 +345,12 @@ NOTES = [
 def run(quick: bool = False, cases=None, tables=None, flex: bool = True) -> Results:
     """Measure floors, then the tables; returns the Results (the caller prints and writes).
     ``cases``: (B, S) shapes of the paged table (default CASES, QUICK_CASES with ``quick``);
-    ``tables``: names of TABLES (default all); ``flex``: run the FlexAttention columns."""
+    ``tables``: names of TABLES (default paged and masks); ``flex``: run the FlexAttention
+    columns."""
     floors = measure_floors()
-    tables = tables or list(TABLES)
+    tables = tables or ["paged", "masks"]  # configs: asked for by name
     suffix = "-" + "-".join(f"{b}x{s}" for b, s in cases) if cases else ""
-    if len(tables) < len(TABLES):
+    if set(tables) != {"paged", "masks"}:
         suffix += "-" + "-".join(tables)
     cases = cases or list(QUICK_CASES if quick else CASES)
     flex_skip = None if flex else "skipped (--no-flex)"
@@ -339,5 +363,7 @@ def run(quick: bool = False, cases=None, tables=None, flex: bool = True) -> Resu
             paged_table(res, cases, timing, flex_skip)
         if "masks" in tables:
             mask_table(res, timing, flex_skip)
+        if "configs" in tables:
+            configs_table(res, cases, timing)
     res.notes += NOTES
     return res

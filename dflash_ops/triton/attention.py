@@ -82,7 +82,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, qsl_ptr, sink_ptr, out_ptr
                  o_st_t, o_st_h, op_st_s, op_st_t, op_st_h, lse_st_s, lse_st_t,
                  G: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
                  BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, CAUSAL: tl.constexpr,
-                 HAS_SINKS: tl.constexpr):
+                 HAS_SINKS: tl.constexpr, NUM_STAGES: tl.constexpr):
     pid = tl.program_id(0)
     s = tl.program_id(1)
     b = pid // HKV
@@ -132,10 +132,16 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, qsl_ptr, sink_ptr, out_ptr
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-        for n0 in range(start, end, BLOCK_N):
+        # the block table one tile ahead (loop-carried), so the K / V loads of a tile depend
+        # on no load of their own iteration and the pipeliner can keep NUM_STAGES - 1 tiles in
+        # flight (with the table read inside the loop it kept one)
+        blk_next = tl.load(bt_row + (start + jn) // BS, mask=start + jn < end, other=-1)
+        for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
             j = n0 + jn
             jm = j < end
-            blk = tl.load(bt_row + j // BS, mask=jm, other=-1)
+            blk = blk_next
+            ahead = j + BLOCK_N
+            blk_next = tl.load(bt_row + ahead // BS, mask=ahead < end, other=-1)
             ok = jm & (blk >= 0) & (blk < NB)
             blk64 = tl.where(ok, blk, 0).to(tl.int64)
             row = (j % BS).to(tl.int64)
@@ -247,7 +253,7 @@ def _block_q(g: int, d: int) -> int:
 
 def block_attention_out_(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale,
                          causal=False, window=-1, sinks=None, *, out, splits=None,
-                         block_n=None) -> None:
+                         block_n=None, num_stages=None, num_warps=None) -> None:
     tq, hq, d = q.shape
     nb, bs, hkv, _ = k_cache.shape
     b, m = block_table.shape
@@ -278,7 +284,8 @@ def block_attention_out_(q, k_cache, v_cache, block_table, seq_lens, query_start
         out.stride(0), out.stride(1), part.stride(0), part.stride(1), part.stride(2),
         lse.stride(0), lse.stride(1),
         G=g, D=d, BLOCK_Q=block_q, BLOCK_N=block_n, SPLITS=n_split, CAUSAL=bool(causal),
-        HAS_SINKS=sinks is not None, num_warps=4, num_stages=2)
+        HAS_SINKS=sinks is not None, NUM_STAGES=num_stages or 2, num_warps=num_warps or 4,
+        num_stages=2)
     if n_split > 1:
         _combine_kernel[(b * hkv,)](
             query_start_loc, sink, out, part, lse, tq, hkv, out.stride(0), out.stride(1),
