@@ -17,7 +17,9 @@ comes from CUDA events around ``precompute_and_store_context_kv`` (it runs eager
       [--context 1024,8192] [--new 64]
   python benchmarks/bench_vllm.py table R.jsonl [--md OUT.md] [--parts]
   (run --profile P: the kernels of P more decode tokens under torch.profiler, minus a 1-token
-  run's, per iteration; table --parts sums them by part and subtracts plain's)
+  run's, per iteration; table --parts sums them by part and subtracts plain's; runs of the
+  same variant and shape appended by repeated processes are merged: medians, and a table of
+  their spread with a verdict on plugin / custom vs stock)
 """
 from __future__ import annotations
 
@@ -203,9 +205,28 @@ def run(args) -> int:
     return 0
 
 
+def _median(xs):
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
+def merge_runs(rows) -> tuple:
+    """(by, runs): rows of the same (variant, batch, context) from repeated engine processes
+    merged: ``by[key]`` the first row with ms_per_iter the median of the runs; ``runs[key]``
+    every run's ms_per_iter, in file order."""
+    runs, first = {}, {}
+    for r in rows:
+        key = (r["variant"], r["batch"], r["context"])
+        runs.setdefault(key, []).append(r["ms_per_iter"])
+        first.setdefault(key, r)
+    by = {k: dict(r, ms_per_iter=_median(runs[k])) for k, r in first.items()}
+    return by, runs
+
+
 def table(args) -> int:
     rows = [json.loads(line) for line in open(args.results) if line.strip()]
-    by = {(r["variant"], r["batch"], r["context"]): r for r in rows}
+    by, runs = merge_runs(rows)
     keys = sorted({(r["batch"], r["context"]) for r in rows}, key=lambda k: (k[1], k[0]))
     lines = ["| B x S | plain ms/token | " + " | ".join(
         f"{v} ms/iter (+ over plain)" for v in VARIANTS[1:]) + " | precompute ms/call "
@@ -223,6 +244,29 @@ def table(args) -> int:
         pre = [by.get((v, b, s), {}).get("precompute_ms_mean") for v in VARIANTS[1:]]
         cells.append(" / ".join(f"{p:.3f}" if p is not None else "-" for p in pre))
         lines.append("| " + " | ".join(cells) + " |")
+    if any(len(v) > 1 for v in runs.values()):  # repeated runs: the spread and the verdict
+        lines += ["", "repeated runs (one engine process each, in file order): ms an iteration, "
+                  "median [min - max] (n); plugin - stock: the medians' difference, and "
+                  "'slower' only if every plugin run is slower than every stock run", "",
+                  "| B x S | " + " | ".join(VARIANTS) + " | plugin - stock | custom - stock |",
+                  "|---|" + "---|" * (len(VARIANTS) + 2)]
+        for b, s in keys:
+            cells = [f"{b} x {s}"]
+            for v in VARIANTS:
+                xs = runs.get((v, b, s))
+                cells.append("-" if not xs else f"{_median(xs):.3f} [{min(xs):.3f} - "
+                             f"{max(xs):.3f}] ({len(xs)})")
+            stock = runs.get(("stock", b, s))
+            for v in ("plugin", "custom"):
+                xs = runs.get((v, b, s))
+                if not (xs and stock):
+                    cells.append("-")
+                    continue
+                d = _median(xs) - _median(stock)
+                verdict = ("slower" if min(xs) > max(stock) else
+                           "faster" if max(xs) < min(stock) else "within the spread")
+                cells.append(f"{d:+.3f} ({verdict})")
+            lines.append("| " + " | ".join(cells) + " |")
     # each variant's GPU time an iteration by part, and its excess over plain
     if args.parts and any(r.get("kernels_us_per_iter") for r in rows):
         names = ["attention", "gemm", "norm/rope/kv", "other"]

@@ -22,8 +22,10 @@
 #            fp32 (outputs and accepted counts equal) and bf16 (acceptance rates within 1%)
 #            (VLLM_DTYPES, VLLM_GEN_SIDES: stock plugin custom)
 #   vllm-bench: benchmarks/bench_vllm.py on the 8B-width pair, one process per variant
-#            (VLLM_VARIANTS, default plain stock plugin custom; BENCH_ARGS for --batch/--context,
-#            --profile P for the kernel breakdown by part)
+#            (VLLM_VARIANTS, default plain stock plugin custom; a variant may repeat, e.g.
+#            "plain stock plugin custom stock plugin custom": the table takes medians and says
+#            whether plugin vs stock lies outside the runs' spread; BENCH_ARGS for
+#            --batch/--context, --profile P for the kernel breakdown by part)
 #   policy:  bench policy (BENCH_ARGS, default --quick): the loop's policy vs always drafting vs
 #            plain decode with an oracle drafter right with probability p (issue 18's grid)
 #   attn:    the attention suite (BENCH_ARGS: --quick, --cases, --tables, --no-flex)

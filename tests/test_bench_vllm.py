@@ -100,3 +100,25 @@ def test_table_splits_attention_by_owner(tmp_path):
     assert "| 1 x 8192 | 2200.0 | 250.0 | 1800.0 | 150.0 | 12.00x |" in lines
     # the parts table: attention of custom = TRITON_ATTN + ours; silu and prepare are "other"
     assert any(ln.startswith("| 1 x 8192 | custom | 2350.0 (+2100.0) |") for ln in lines), lines
+
+
+def test_table_takes_the_median_of_repeated_runs_and_judges_the_spread(tmp_path):
+    def row(v, ms, b=1, s=1024):
+        return dict(variant=v, batch=b, context=s, ms_per_iter=ms, precompute_ms_mean=None)
+    rows = [row("plain", 2.0), row("stock", 4.0), row("plugin", 3.0), row("custom", 2.5),
+            row("plain", 2.2), row("stock", 5.0), row("plugin", 4.5), row("custom", 2.6),
+            row("stock", 4.4), row("plugin", 3.2),
+            row("stock", 8.0, b=8), row("plugin", 9.0, b=8), row("stock", 8.2, b=8),
+            row("plugin", 9.5, b=8)]
+    lines = _table(rows, tmp_path)
+    # the main table shows medians (plain: (2.0 + 2.2) / 2; stock 4.4; plugin 3.2)
+    assert lines[2] == ("| 1 x 1024 | 2.100 | 4.400 (+2.300) | 3.200 (+1.100) | "
+                        "2.550 (+0.450) | - / - / - |")
+    at = lines.index(next(x for x in lines if x.startswith("repeated runs")))
+    assert lines[at + 4] == ("| 1 x 1024 | 2.100 [2.000 - 2.200] (2) | 4.400 [4.000 - 5.000] "
+                             "(3) | 3.200 [3.000 - 4.500] (3) | 2.550 [2.500 - 2.600] (2) | "
+                             "-1.200 (within the spread) | -1.850 (faster) |")
+    assert lines[at + 5] == ("| 8 x 1024 | - | 8.100 [8.000 - 8.200] (2) | 9.250 [9.000 - "
+                             "9.500] (2) | - | +1.150 (slower) | - |")
+    # one run each: no repeats table
+    assert not any(x.startswith("repeated runs") for x in _table(rows[:4], tmp_path))
