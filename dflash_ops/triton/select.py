@@ -80,15 +80,26 @@ dispatch.register_backend("select_candidates", "triton", select_candidates)
 # program per row takes the k-th largest of its chunk maxima, a threshold T (-inf with fewer
 # than k chunks): k chunks hold an entry >= T each, so every one of the row's k best is >= T,
 # and a chunk whose max is below T holds none of them; (3) a program per (row, chunk) whose max
-# reaches T loads its chunk and takes its entries >= T best first, up to k (rounds of max +
-# first index of the max + drop it), the others write nothing but empty slots; (4) a program
-# per row takes the k best of the chunks' candidates by the same rule and gathers the values
-# from z (so they keep z's dtype and bits). At V 248320, k 16 z is read once plus at most ~k
+# reaches T loads its chunk and takes its entries >= T best first, up to k, the others write
+# nothing but empty slots; (4) a program per row takes the k best of the chunks' candidates
+# and gathers the values from z (so they keep z's dtype and bits). A round of (3) and (4) is
+# one max over (key, index) packed into an int64 (``_packed``: the order is the op's), then
+# the pick dropped (two reductions a round, max and first index, before 2026-12-02). At V 248320, k 16 z is read once plus at most ~k
 # chunks again, and only those chunks run rounds (the first version ran k rounds in every
 # chunk: 56 us at M 7, 2.3 ms at M 448 on the H200, slower than torch.topk). Ties go to the
 # lower index everywhere (the op's rule); NaN as +inf (below a +inf of lower index: the
 # reference puts NaN first). Empty slots carry index -1 and key -inf and lose to every entry.
 TOPK_CHUNK = 2048
+
+
+@triton.jit
+def _packed(key, idx):
+    """(fp32 key, index) as one int64 whose order is the op's: larger key first, then the lower
+    index (the key's bits made order-preserving as an int32 in the high word, 2^31 - 1 - index
+    in the low word); one max a round picks the next entry."""
+    bits = key.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - idx.to(tl.int64))
 
 
 @triton.jit
@@ -129,20 +140,24 @@ def _topk_chunk_kernel(z_ptr, stride_m, V, cmax_ptr, thr_ptr, key_ptr, idx_ptr, 
     inr = (offs < V) & ((tl.zeros([CHUNK], tl.float32) + cm) >= thr)
     key = tl.load(z_ptr + m * stride_m + offs, mask=inr, other=float("-inf")).to(tl.float32)
     key = tl.where(key != key, float("inf"), key)
-    big = 1 << 62
+    low = -(1 << 63)
     slot = tl.arange(0, KP)
     out_k = tl.full([KP], float("-inf"), tl.float32)
     out_i = tl.full([KP], -1, tl.int64)
-    avail = inr
-    best = tl.max(tl.where(avail, key, float("-inf")), axis=0)
-    pick = tl.min(tl.where(avail & (key == best), offs, big), axis=0)
+    packed = tl.where(inr, _packed(key, offs), low)
+    # entries below the threshold never count (the threshold's own packing with the highest
+    # index: every entry of key >= thr packs above it)
+    floor = _packed(thr, tl.full([], 0x7FFFFFFF, tl.int64))
+    best = tl.max(packed, axis=0)
     t = 0
-    while (t < K) & (pick < big) & (best >= thr):
-        out_k = tl.where(slot == t, best, out_k)
+    while (t < K) & (best > low) & (best >= floor):
+        pick = 0x7FFFFFFF - (best & 0xFFFFFFFF)
+        hi = (best >> 32).to(tl.int32)  # the key back from the high word (an involution)
+        val = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        out_k = tl.where(slot == t, val, out_k)
         out_i = tl.where(slot == t, pick, out_i)
-        avail = avail & (offs != pick)
-        best = tl.max(tl.where(avail, key, float("-inf")), axis=0)
-        pick = tl.min(tl.where(avail & (key == best), offs, big), axis=0)
+        packed = tl.where(packed == best, low, packed)
+        best = tl.max(packed, axis=0)
         t += 1
     base = (m * NCH + c) * KP
     tl.store(key_ptr + base + slot, out_k)
@@ -157,18 +172,14 @@ def _topk_merge_kernel(z_ptr, stride_m, key_ptr, idx_ptr, val_ptr, out_idx_ptr, 
     inr = j < N
     key = tl.load(key_ptr + m * N + j, mask=inr, other=float("-inf"))
     idx = tl.load(idx_ptr + m * N + j, mask=inr, other=-1)
-    avail = inr & (idx >= 0)
-    big = 1 << 62
+    low = -(1 << 63)
+    packed = tl.where(inr & (idx >= 0), _packed(key, idx), low)  # indices are distinct
     slot = tl.arange(0, KP)
-    out_k = tl.full([KP], float("-inf"), tl.float32)
     out_i = tl.full([KP], -1, tl.int64)
     for t in range(K):
-        best = tl.max(tl.where(avail, key, float("-inf")), axis=0)
-        pick = tl.min(tl.where(avail & (key == best), idx, big), axis=0)
-        found = pick < big
-        out_k = tl.where((slot == t) & found, best, out_k)
-        out_i = tl.where((slot == t) & found, pick, out_i)
-        avail = avail & (idx != pick)
+        best = tl.max(packed, axis=0)
+        out_i = tl.where((slot == t) & (best > low), 0x7FFFFFFF - (best & 0xFFFFFFFF), out_i)
+        packed = tl.where(packed == best, low, packed)
     ok = slot < K
     v = tl.load(z_ptr + m * stride_m + tl.where(ok, out_i, 0), mask=ok)
     tl.store(val_ptr + m * K + slot, v, mask=ok)
