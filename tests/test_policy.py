@@ -153,7 +153,14 @@ def test_decode_only_equals_plain_greedy(steps, device):
     assert st.blocks == {1: st.iterations} and st.acceptance == [] and st.drafted == 0
     # static steps (graphed or not): DECODE_STEPS steps an iteration, finished requests masked
     from dflash_ops.speculator.step import DECODE_STEPS
-    assert st.decode_steps == (1 if steps == "direct" else DECODE_STEPS) * st.iterations
+    if steps == "direct":
+        assert st.decode_steps == st.iterations
+    else:  # every iteration but the last (cut to the tokens left) runs DECODE_STEPS steps
+        assert DECODE_STEPS * (st.iterations - 1) < st.decode_steps <= DECODE_STEPS * st.iterations
+    # 40 new tokens, none stopped (the prefill gives the first): 39 steps, not one more
+    got, st = speculative_generate(target, drafter, prompts, 40, steps=steps,
+                                   policy_blocks=(1,))
+    assert got == free and st.decode_steps == 39, st.decode_steps
 
 
 def test_policy_drafts_when_drafts_are_right_and_decodes_when_wrong(monkeypatch):

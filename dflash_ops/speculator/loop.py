@@ -319,8 +319,14 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
                 longest = max(lengths[r] for r in act)
                 b = pol.choose(act, bucket, longest)
                 t, cap = time.perf_counter(), stats.seconds["capture"]
-            fin, kept = its[b](state, rows)
-            if pol is not None:
+            full = True
+            if b == 1:  # no more decode steps than the most tokens a request has left
+                left = max(max_new_tokens - (lengths[r] - len(prompts[r])) for r in act)
+                full = left >= its[1].steps
+                fin, kept = its[1](state, rows, max_steps=left)
+            else:
+                fin, kept = its[b](state, rows)
+            if pol is not None and full:  # a cut decode iteration's time is not its cost
                 spent = time.perf_counter() - t - (stats.seconds["capture"] - cap)
                 pol.observe(b, bucket, longest, spent, act, kept, fin)
             for r, f, k in zip(act, fin, kept):

@@ -361,7 +361,10 @@ class DecodeIteration(Iteration):
         self._state: Optional[State] = None
         self._rows_key: Optional[torch.Tensor] = None  # the rows self._rows holds
 
-    def __call__(self, state: State, rows: torch.Tensor) -> Tuple[List[bool], List[int]]:
+    def __call__(self, state: State, rows: torch.Tensor,
+                 max_steps: Optional[int] = None) -> Tuple[List[bool], List[int]]:
+        """As Iteration's; ``max_steps``: at most that many decode steps (the most tokens an
+        active request may still commit), at least one."""
         if not self.fused:
             return super().__call__(state, rows)
         st, r = self.stats, rows.shape[0]
@@ -396,7 +399,8 @@ class DecodeIteration(Iteration):
             st.seconds["capture"] += spent
             st.host_syncs += 1
         self._acc.zero_()
-        for _ in range(self.steps):
+        todo = self.steps if max_steps is None else max(1, min(self.steps, int(max_steps)))
+        for _ in range(todo):
             if self.graphs:
                 self._graphs[bucket][0].replay()
             else:
@@ -405,7 +409,7 @@ class DecodeIteration(Iteration):
         st.host_syncs += 1
         st.seconds["verify"] += time.perf_counter() - t0 - spent
         st.blocks[1] = st.blocks.get(1, 0) + 1
-        st.decode_steps += self.steps
+        st.decode_steps += todo
         st.iterations += 1
         return [bool(f) for f in got[0]], got[1]
 
