@@ -291,8 +291,9 @@ def add_options(p) -> None:
                    help="shapes of the paged table (B requests x S keys, e.g. 1x131072,128x8192)"
                         "; default: all shapes (--quick: fewer)")
     p.add_argument("--tables", type=name_list(TABLES, "tables"), default=None,
-                   metavar="T1,T2", help=f"tables to run, of {', '.join(TABLES)} (default paged,masks; configs: "
-                        "the Triton kernel's launch configurations on the paged cases)")
+                   metavar="T1,T2",
+                   help=f"tables to run, of {', '.join(TABLES)} (default paged,masks; "
+                        "configs: the Triton kernel's launch configurations on the paged cases)")
     p.add_argument("--no-flex", dest="flex", action="store_false",
                    help="no FlexAttention columns (their torch.compile calls are most of the "
                         "run time)")

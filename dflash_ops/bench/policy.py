@@ -19,8 +19,9 @@ successor of the last with a wide margin (``counter_target``), so every strategy
 same tokens (with random weights alone a 16-row verify and a 1-row decode round differently
 in bf16 and part at near ties, and the oracle turns wrong after a part; parts are counted in
 the notes). Each rate is the median of REPEATS timed runs. Tokens a second count the new
-tokens over the time after the prefill (the loop's ``Stats.seconds['prefill']``, synchronised; for plain decode the same prefill is
-measured once and subtracted), capture excluded. A warm-up run of each strategy first in each
+tokens over the time after the prefill (the loop's ``Stats.seconds['prefill']``,
+synchronised; for plain decode the same prefill is measured once and subtracted), capture
+excluded. A warm-up run of each strategy first in each
 case (compiles, autotuning, the policy's cost table, which it keeps per drafter across calls
 as a server would); each p is a new workload: the policy forgets the pair's acceptance (keeps
 the costs) and gets one warm-up run on it before the timed ones.

@@ -84,9 +84,10 @@ dispatch.register_backend("select_candidates", "triton", select_candidates)
 # nothing but empty slots; (4) a program per row takes the k best of the chunks' candidates
 # and gathers the values from z (so they keep z's dtype and bits). A round of (3) and (4) is
 # one max over (key, index) packed into an int64 (``_packed``: the order is the op's), then
-# the pick dropped (two reductions a round, max and first index, before 2026-12-02). At V 248320, k 16 z is read once plus at most ~k
-# chunks again, and only those chunks run rounds (the first version ran k rounds in every
-# chunk: 56 us at M 7, 2.3 ms at M 448 on the H200, slower than torch.topk). Ties go to the
+# the pick dropped (two reductions a round, max and first index, before 2026-12-02). At V
+# 248320, k 16 z is read once plus at most ~k chunks again, and only those chunks run rounds
+# (the first version ran k rounds in every chunk: 56 us at M 7, 2.3 ms at M 448 on the H200,
+# slower than torch.topk). Ties go to the
 # lower index everywhere (the op's rule); NaN as +inf (below a +inf of lower index: the
 # reference puts NaN first). Empty slots carry index -1 and key -inf and lose to every entry.
 TOPK_CHUNK = 2048
