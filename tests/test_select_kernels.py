@@ -173,9 +173,13 @@ def test_graph_replay_gpu(backend):
 
 # ----------------------------------------------------------------------------- row_topk
 def topk_case(m, v, k, ties=False, dtype=torch.float32, seed=0, device="cpu", infs=False,
-              flat=False):
+              flat=False, zeros=False):
     g = torch.Generator().manual_seed(seed)
     z = torch.zeros(m, v) if flat else torch.randn(m, v, generator=g)  # flat: every entry ties
+    if zeros:  # the best entries are zeros of both signs, which tie (-0.0 == 0.0)
+        z = -z.abs() - 1
+        z[:, ::7] = -0.0
+        z[:, 3::7] = 0.0
     if ties:  # many equal values, across the k-th place too
         z = (z * 2).round() / 2
     if infs:
@@ -199,7 +203,7 @@ TOPK_GRID = [dict(m=3, v=97, k=5, ties=True), dict(m=2, v=5000, k=16),
              dict(m=2, v=4100, k=7, ties=True, infs=True), dict(m=1, v=1, k=1),
              # more chunks than k: the chunk-max threshold skips chunks (ties across it too)
              dict(m=2, v=40000, k=5), dict(m=2, v=30000, k=3, ties=True, infs=True),
-             dict(m=1, v=20000, k=4, flat=True)]
+             dict(m=1, v=20000, k=4, flat=True), dict(m=2, v=9000, k=6, zeros=True)]
 GPU_TOPK_GRID = TOPK_GRID + [dict(m=7, v=248320, k=16), dict(m=56, v=151936, k=16, ties=True)]
 
 

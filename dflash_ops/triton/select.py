@@ -98,6 +98,7 @@ def _packed(key, idx):
     """(fp32 key, index) as one int64 whose order is the op's: larger key first, then the lower
     index (the key's bits made order-preserving as an int32 in the high word, 2^31 - 1 - index
     in the low word); one max a round picks the next entry."""
+    key = tl.where(key == 0.0, 0.0, key)  # -0.0 ties with +0.0 (the reference's equality)
     bits = key.to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     return (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - idx.to(tl.int64))
