@@ -213,14 +213,27 @@ def _median(xs):
 
 def merge_runs(rows) -> tuple:
     """(by, runs): rows of the same (variant, batch, context) from repeated engine processes
-    merged: ``by[key]`` the first row with ms_per_iter the median of the runs; ``runs[key]``
-    every run's ms_per_iter, in file order."""
-    runs, first = {}, {}
+    merged: ``by[key]`` the first row with ms_per_iter and precompute_ms_mean the medians of
+    the runs and the first profiled run's kernels; ``runs[key]`` every run's ms_per_iter, in
+    file order. Rows of one key with another ``new`` or ``dtype`` are an error (different
+    experiments)."""
+    group = {}
     for r in rows:
-        key = (r["variant"], r["batch"], r["context"])
-        runs.setdefault(key, []).append(r["ms_per_iter"])
-        first.setdefault(key, r)
-    by = {k: dict(r, ms_per_iter=_median(runs[k])) for k, r in first.items()}
+        group.setdefault((r["variant"], r["batch"], r["context"]), []).append(r)
+    by, runs = {}, {}
+    for key, rs in group.items():
+        settings = {(r.get("new"), r.get("dtype")) for r in rs}
+        if len(settings) > 1:
+            raise SystemExit(f"bench_vllm table: {key[0]} at B {key[1]} S {key[2]} mixes "
+                             f"runs of (new, dtype) {sorted(settings, key=str)}: table one "
+                             f"setting at a time")
+        runs[key] = [r["ms_per_iter"] for r in rs]
+        pre = [r["precompute_ms_mean"] for r in rs if r.get("precompute_ms_mean") is not None]
+        kernels = next((r["kernels_us_per_iter"] for r in rs if r.get("kernels_us_per_iter")),
+                       None)
+        by[key] = dict(rs[0], ms_per_iter=_median(runs[key]),
+                       precompute_ms_mean=_median(pre) if pre else None,
+                       kernels_us_per_iter=kernels)
     return by, runs
 
 
@@ -263,12 +276,13 @@ def table(args) -> int:
                     cells.append("-")
                     continue
                 d = _median(xs) - _median(stock)
-                verdict = ("slower" if min(xs) > max(stock) else
+                verdict = ("one run a side: no spread" if len(xs) < 2 or len(stock) < 2 else
+                           "slower" if min(xs) > max(stock) else
                            "faster" if max(xs) < min(stock) else "within the spread")
                 cells.append(f"{d:+.3f} ({verdict})")
             lines.append("| " + " | ".join(cells) + " |")
     # each variant's GPU time an iteration by part, and its excess over plain
-    if args.parts and any(r.get("kernels_us_per_iter") for r in rows):
+    if args.parts and any(r.get("kernels_us_per_iter") for r in by.values()):
         names = ["attention", "gemm", "norm/rope/kv", "other"]
         lines += ["", "GPU time an iteration by part, us (torch profiler; over plain in "
                   "parentheses: the drafter's share)", "",

@@ -156,7 +156,20 @@ def _interpret() -> bool:
 
 
 def _debug() -> bool:
-    return os.environ.get("DFLASH_OPS_DEBUG", "0") == "1"
+    return (os.environ.get("DFLASH_OPS_DEBUG", "0") == "1"
+            and not getattr(_local, "no_debug", 0))
+
+
+@contextlib.contextmanager
+def without_debug_checks():
+    """Inside: no ``DFLASH_OPS_DEBUG`` value checks, for a caller that passes values outside
+    the checked range on purpose, as the ops' contract allows (the loop's decode iteration
+    passes rows of -1: padding that prepare_step_ pads and the commits skip)."""
+    _local.no_debug = getattr(_local, "no_debug", 0) + 1
+    try:
+        yield
+    finally:
+        _local.no_debug -= 1
 
 
 def _capturing() -> bool:

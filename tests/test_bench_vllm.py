@@ -120,5 +120,15 @@ def test_table_takes_the_median_of_repeated_runs_and_judges_the_spread(tmp_path)
                              "-1.200 (within the spread) | -1.850 (faster) |")
     assert lines[at + 5] == ("| 8 x 1024 | - | 8.100 [8.000 - 8.200] (2) | 9.250 [9.000 - "
                              "9.500] (2) | - | +1.150 (slower) | - |")
-    # one run each: no repeats table
+    # one run each: no repeats table; a side with one run: no verdict
     assert not any(x.startswith("repeated runs") for x in _table(rows[:4], tmp_path))
+    lines = _table(rows[:5], tmp_path)  # plain twice, the others once
+    assert lines[-1].endswith("| -1.000 (one run a side: no spread) | "
+                              "-1.500 (one run a side: no spread) |"), lines[-1]
+    # runs of another setting are not merged into the median
+    mixed = [dict(rows[0], new=64), dict(rows[4], new=128)]
+    res = tmp_path / "m.jsonl"
+    res.write_text("\n".join(json.dumps(r) for r in mixed))
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_vllm.py"), "table",
+                          str(res)], capture_output=True, text=True)
+    assert out.returncode != 0 and "mixes runs of (new, dtype)" in out.stderr, out.stderr

@@ -136,7 +136,7 @@ def test_mixed_blocks_and_decodes_keep_the_drafter_context(steps, device, monkey
 @pytest.mark.parametrize("steps,device", [
     ("direct", "cpu"), ("static", "cpu"),
     pytest.param("graphs", "cuda", marks=pytest.mark.gpu)])
-def test_decode_only_equals_plain_greedy(steps, device):
+def test_decode_only_equals_plain_greedy(steps, device, monkeypatch):
     """Decode iterations only (on the GPU with graphs: each iteration one graph of prepare,
     decode, commit), requests ending at different iterations on a stop token, so the active
     set and its bucket shrink (padded rows must commit nothing). The drafter's context after
@@ -147,8 +147,11 @@ def test_decode_only_equals_plain_greedy(steps, device):
     stop = [free[0][9], free[2][24]]  # request 0 ends at its 10th new token at the latest
     want = plain_greedy(target, prompts, 40, stop_token_ids=stop)
     assert len({len(w) for w in want}) > 1, want  # they end at different iterations
+    # with DFLASH_OPS_DEBUG=1: the padded rows (-1) the decode steps pass are no error
+    monkeypatch.setenv("DFLASH_OPS_DEBUG", "1")
     got, st = speculative_generate(target, drafter, prompts, 40, steps=steps,
                                    policy_blocks=(1,), stop_token_ids=stop)
+    monkeypatch.setenv("DFLASH_OPS_DEBUG", "0")
     assert got == want
     assert st.blocks == {1: st.iterations} and st.acceptance == [] and st.drafted == 0
     # static steps (graphed or not): DECODE_STEPS steps an iteration, finished requests masked

@@ -173,9 +173,12 @@ def test_graph_replay_gpu(backend):
 
 # ----------------------------------------------------------------------------- row_topk
 def topk_case(m, v, k, ties=False, dtype=torch.float32, seed=0, device="cpu", infs=False,
-              flat=False, zeros=False):
+              flat=False, zeros=False, nans=False):
     g = torch.Generator().manual_seed(seed)
     z = torch.zeros(m, v) if flat else torch.randn(m, v, generator=g)  # flat: every entry ties
+    if nans:  # NaN sorts above +inf (a +inf at a lower index comes after it)
+        z[0, 1] = float("inf")
+        z[0, 3] = z[0, v - 2] = float("nan")
     if zeros:  # the best entries are zeros of both signs, which tie (-0.0 == 0.0)
         z = -z.abs() - 1
         z[:, ::7] = -0.0
@@ -203,7 +206,8 @@ TOPK_GRID = [dict(m=3, v=97, k=5, ties=True), dict(m=2, v=5000, k=16),
              dict(m=2, v=4100, k=7, ties=True, infs=True), dict(m=1, v=1, k=1),
              # more chunks than k: the chunk-max threshold skips chunks (ties across it too)
              dict(m=2, v=40000, k=5), dict(m=2, v=30000, k=3, ties=True, infs=True),
-             dict(m=1, v=20000, k=4, flat=True), dict(m=2, v=9000, k=6, zeros=True)]
+             dict(m=1, v=20000, k=4, flat=True), dict(m=2, v=9000, k=6, zeros=True),
+             dict(m=2, v=30000, k=4, nans=True)]
 GPU_TOPK_GRID = TOPK_GRID + [dict(m=7, v=248320, k=16), dict(m=56, v=151936, k=16, ties=True)]
 
 
@@ -216,7 +220,8 @@ def check_topk(device, dtypes, grid=TOPK_GRID):
                 got = row_topk(z, k)
             what = f"row_topk {dtype} {g}"
             assert torch.equal(got[1], want[1]), what
-            assert torch.equal(got[0], want[0]), what
+            torch.testing.assert_close(got[0], want[0], rtol=0, atol=0, equal_nan=True,
+                                       msg=what)  # the same bits (NaN where NaN)
 
 
 _TOPK_SCRIPT = r"""

@@ -398,6 +398,7 @@ class DecodeIteration(Iteration):
             spent = time.perf_counter() - t
             st.seconds["capture"] += spent
             st.host_syncs += 1
+        self._alive.fill_(True)  # every request in rows is active as the call begins
         self._acc.zero_()
         todo = self.steps if max_steps is None else max(1, min(self.steps, int(max_steps)))
         for _ in range(todo):
@@ -426,17 +427,20 @@ class DecodeIteration(Iteration):
         whose request finished in an earlier step of the iteration (``alive`` false) becomes
         -1 too, which prepare_step_ pads (the scratch slot) and the commit skips; the step's
         flags are added to ``self._acc``."""
+        from .. import dispatch
         from ..ops.loop import prepare_step_
         vs, s, n = self.vstep, state, state.n_out.shape[0]
         rows = self._rows[:bucket]
         slot = torch.where((rows >= 0) & (rows < n), rows, torch.full_like(rows, n))
         live = torch.where(self._alive[slot], rows, torch.full_like(rows, -1))
         none = torch.zeros(bucket, 0, dtype=torch.long, device=self.device)
-        prepare_step_(live, s.last, s.start, none, None, None, 0, vs.scratch, vs.ids[:bucket],
-                      vs.requests[:bucket], vs.start[:bucket])
+        with dispatch.without_debug_checks():  # -1 rows on purpose (DFLASH_OPS_DEBUG=1)
+            prepare_step_(live, s.last, s.start, none, None, None, 0, vs.scratch,
+                          vs.ids[:bucket], vs.requests[:bucket], vs.start[:bucket])
         _, post, _ = vs._step(bucket)
-        kept, fin, _ = greedy_commit(vs.ids[:bucket], post, live, s.n_out, s.start, s.last,
-                                     s.out_tokens, s.stop, s.max_new)
+        with dispatch.without_debug_checks():
+            kept, fin, _ = greedy_commit(vs.ids[:bucket], post, live, s.n_out, s.start,
+                                         s.last, s.out_tokens, s.stop, s.max_new)
         self._alive.index_put_((slot,), self._alive[slot] & ~fin)  # padded rows: slot n
         self._acc[0, :bucket] |= fin.long()
         self._acc[1, :bucket] += kept

@@ -88,8 +88,8 @@ dispatch.register_backend("select_candidates", "triton", select_candidates)
 # 248320, k 16 z is read once plus at most ~k chunks again, and only those chunks run rounds
 # (the first version ran k rounds in every chunk: 56 us at M 7, 2.3 ms at M 448 on the H200,
 # slower than torch.topk). Ties go to the
-# lower index everywhere (the op's rule); NaN as +inf (below a +inf of lower index: the
-# reference puts NaN first). Empty slots carry index -1 and key -inf and lose to every entry.
+# lower index everywhere (the op's rule); NaN above +inf, as the reference's sort (the chunk
+# maxima take NaN as +inf). Empty slots carry index -1 and key -inf and lose to every entry.
 TOPK_CHUNK = 2048
 
 
@@ -101,6 +101,7 @@ def _packed(key, idx):
     key = tl.where(key == 0.0, 0.0, key)  # -0.0 ties with +0.0 (the reference's equality)
     bits = key.to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    ordered = tl.where(key != key, 0x7FFFFFFF, ordered)  # NaN above +inf (0x7F800000)
     return (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - idx.to(tl.int64))
 
 
@@ -141,7 +142,6 @@ def _topk_chunk_kernel(z_ptr, stride_m, V, cmax_ptr, thr_ptr, key_ptr, idx_ptr, 
     # interpreter cannot AND a scalar bool with a block)
     inr = (offs < V) & ((tl.zeros([CHUNK], tl.float32) + cm) >= thr)
     key = tl.load(z_ptr + m * stride_m + offs, mask=inr, other=float("-inf")).to(tl.float32)
-    key = tl.where(key != key, float("inf"), key)
     low = -(1 << 63)
     slot = tl.arange(0, KP)
     out_k = tl.full([KP], float("-inf"), tl.float32)
