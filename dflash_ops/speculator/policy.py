@@ -24,7 +24,8 @@ the active requests it picks the option with the most expected tokens a second:
   by the loop per drafter, target, steps mode, sampling and options): a warm-up call measures,
   later calls start from its table.
 - While it decodes, the acceptance rates cannot move: every ``probe`` consecutive decode
-  iterations it drafts once with the largest block to look again; the interval doubles (up
+  iterations (of ``decode_tokens`` tokens each) it drafts once with the largest block to
+  look again; the interval doubles (up
   to 256) each time the probe leaves decoding the better choice, so a pair that never pays
   costs a vanishing share of probes.
 """
