@@ -108,10 +108,11 @@ MODES = (("non-causal", False, -1), ("causal", True, -1), (f"window {WINDOW}", F
          (f"causal + window {WINDOW}", True, WINDOW))  # (name, causal, window)
 TABLES = ("paged", "masks", "configs")
 # the configs table: the Triton kernel's launch configurations (K/V tile, pipeline stages of
-# K/V tiles, warps) on the paged cases, beside ours cuda; 2 stages of 64 keys, 4 warps is the
-# default (measured 2026-11-29); the others fit the H200's 227 KB of shared memory at D 128
+# K/V tiles, warps[, key splits]) on the paged cases, beside ours cuda; 2 stages of 64 keys,
+# 4 warps, splits from the shapes is the default (measured 2026-11-29); the others fit the
+# H200's 227 KB of shared memory at D 128; fixed splits 1 / 16 probe the short-context cost
 TRITON_CONFIGS = ((64, 2, 4), (64, 3, 4), (64, 4, 4), (128, 2, 4), (128, 3, 4), (64, 3, 8),
-                  (128, 2, 8))
+                  (128, 2, 8), (64, 3, 4, 1), (64, 3, 4, 16))
 GRAPH = True
 
 

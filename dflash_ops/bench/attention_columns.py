@@ -161,17 +161,20 @@ def ours(case: Case, backend: str, causal=False, window=-1) -> Col:
     return Col(f"ours {backend}", fn, ctx=impl.ctx, missing=impl.missing)
 
 
-def ours_triton_config(case: Case, block_n: int, num_stages: int, num_warps: int) -> Col:
-    """The Triton kernel with one launch configuration (K/V tile, pipeline stages, warps),
-    called directly: the configs table of bench attention."""
+def ours_triton_config(case: Case, block_n: int, num_stages: int, num_warps: int,
+                       splits=None) -> Col:
+    """The Triton kernel with one launch configuration (K/V tile, pipeline stages, warps, key
+    splits: None = its own choice from the shapes), called directly: the configs table of
+    bench attention."""
     bt, sl, qsl = case.block_table, case.seq_lens, case.qsl
 
     def fn(q, kc, vc, *rest):
         from ..triton.attention import block_attention
         return block_attention(q, kc, vc, bt, sl, qsl, SCALE, False, -1, None, block_n=block_n,
-                               num_stages=num_stages, num_warps=num_warps)
+                               num_stages=num_stages, num_warps=num_warps, splits=splits)
 
-    return Col(f"triton BN {block_n} stages {num_stages} warps {num_warps}", fn)
+    name = f"triton BN {block_n} stages {num_stages} warps {num_warps}"
+    return Col(name + (f" splits {splits}" if splits else ""), fn)
 
 
 def _sdpa_api():
