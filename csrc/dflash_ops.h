@@ -160,4 +160,10 @@ std::tuple<at::Tensor, at::Tensor> select_candidates(
     const at::Tensor& anchor, const at::Tensor& pred, const at::Tensor& succ,
     double temperature, const std::optional<at::Tensor>& u);
 
+// row_topk(Tensor z, int k) -> (Tensor, Tensor)
+//   z [M, V] bf16/fp16/fp32 with unit stride in V, 1 <= k <= min(V, 64): values [M, k] (z's
+//   dtype and bits) and indices [M, k] int64 of each row's k largest entries, descending, equal
+//   values by ascending index, NaN above +inf (dflash_ops/ops/select.py row_topk_ref).
+std::tuple<at::Tensor, at::Tensor> row_topk(const at::Tensor& z, int64_t k);
+
 }  // namespace dflash_ops

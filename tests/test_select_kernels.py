@@ -211,14 +211,14 @@ TOPK_GRID = [dict(m=3, v=97, k=5, ties=True), dict(m=2, v=5000, k=16),
 GPU_TOPK_GRID = TOPK_GRID + [dict(m=7, v=248320, k=16), dict(m=56, v=151936, k=16, ties=True)]
 
 
-def check_topk(device, dtypes, grid=TOPK_GRID):
+def check_topk(device, dtypes, grid=TOPK_GRID, backend="triton"):
     for dtype in dtypes:
         for i, g in enumerate(grid):
             z, k = topk_case(**g, dtype=dtype, seed=20 + i, device=device)
             want = row_topk_ref(z, k)
-            with dispatch.use_backend("triton", ops=("row_topk",)):
+            with dispatch.use_backend(backend, ops=("row_topk",)):
                 got = row_topk(z, k)
-            what = f"row_topk {dtype} {g}"
+            what = f"row_topk {backend} {dtype} {g}"
             assert torch.equal(got[1], want[1]), what
             torch.testing.assert_close(got[0], want[0], rtol=0, atol=0, equal_nan=True,
                                        msg=what)  # the same bits (NaN where NaN)
@@ -237,17 +237,27 @@ def test_topk_triton_kernel_under_interpreter():
 
 
 @pytest.mark.gpu
-def test_topk_kernel_gpu():
-    check_topk("cuda", (torch.float32, torch.bfloat16), GPU_TOPK_GRID)
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_topk_kernel_gpu(backend):
+    check_topk("cuda", (torch.float32, torch.bfloat16, torch.float16), GPU_TOPK_GRID, backend)
+    # a strided z (rows of a wider buffer, the LM head's logits view)
+    wide = torch.randn(5, 3000, device="cuda")
+    z = wide[:, 7:2999]
+    with dispatch.use_backend(backend, ops=("row_topk",)):
+        got = row_topk(z, 9)
+    want = row_topk_ref(z, 9)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
 
 
 @pytest.mark.gpu
-def test_topk_graph_replay_gpu():
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_topk_graph_replay_gpu(backend):
     z, k = topk_case(14, 248320, 16, device="cuda", dtype=torch.bfloat16)
-    row_topk(z, k)  # compile before capture
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        vals, idx = row_topk(z, k)
+    with dispatch.use_backend(backend, ops=("row_topk",)):
+        row_topk(z, k)  # compile before capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            vals, idx = row_topk(z, k)
     for seed in (1, 2):
         z.copy_(topk_case(14, 248320, 16, device="cuda", dtype=torch.bfloat16, seed=seed)[0])
         g.replay()

@@ -98,10 +98,14 @@ def _select(res: Results, rs, timing) -> None:
         zsets = rotating(lambda r=r: (torch.randn(r * j, v, dtype=bf16, device=dev),), zb)
         ztable = f"top-{k} of the logits [R*{j}, {v}] bf16 (before the walk)"
         z0 = zsets[0][0]
-        same = torch.equal(row_topk(z0, k)[1], row_topk_ref(z0, k)[1])
-        res.add_time(ztable, str(r), "ours row_topk (triton)", time_fn(
-            lambda z: row_topk(z, k), rotate=zsets, graph=True, **timing),
-            bytes_moved=zb, floor=floor_us(res.floors, zb), x=r, same_ids=same)
+        for backend in ("triton", "cuda"):
+            if not dispatch.has_backend("row_topk", backend):
+                continue
+            with dispatch.use_backend(backend, ops=("row_topk",)):
+                same = torch.equal(row_topk(z0, k)[1], row_topk_ref(z0, k)[1])
+                res.add_time(ztable, str(r), f"ours row_topk ({backend})", time_fn(
+                    lambda z: row_topk(z, k), rotate=zsets, graph=True, **timing),
+                    bytes_moved=zb, floor=floor_us(res.floors, zb), x=r, same_ids=same)
         res.add_time(ztable, str(r), "torch.topk", time_fn(
             lambda z: torch.topk(z, k, dim=-1), rotate=zsets, graph=True, **timing),
             bytes_moved=zb, floor=floor_us(res.floors, zb), x=r)
