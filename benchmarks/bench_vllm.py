@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from typing import Optional
@@ -205,12 +206,6 @@ def run(args) -> int:
     return 0
 
 
-def _median(xs):
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
-
-
 def merge_runs(rows) -> tuple:
     """(by, runs): rows of the same (variant, batch, context) from repeated engine processes
     merged: ``by[key]`` the first row with ms_per_iter and precompute_ms_mean the medians of
@@ -231,8 +226,8 @@ def merge_runs(rows) -> tuple:
         pre = [r["precompute_ms_mean"] for r in rs if r.get("precompute_ms_mean") is not None]
         kernels = next((r["kernels_us_per_iter"] for r in rs if r.get("kernels_us_per_iter")),
                        None)
-        by[key] = dict(rs[0], ms_per_iter=_median(runs[key]),
-                       precompute_ms_mean=_median(pre) if pre else None,
+        by[key] = dict(rs[0], ms_per_iter=statistics.median(runs[key]),
+                       precompute_ms_mean=statistics.median(pre) if pre else None,
                        kernels_us_per_iter=kernels)
     return by, runs
 
@@ -267,15 +262,15 @@ def table(args) -> int:
             cells = [f"{b} x {s}"]
             for v in VARIANTS:
                 xs = runs.get((v, b, s))
-                cells.append("-" if not xs else f"{_median(xs):.3f} [{min(xs):.3f} - "
-                             f"{max(xs):.3f}] ({len(xs)})")
+                cells.append("-" if not xs else f"{statistics.median(xs):.3f} "
+                             f"[{min(xs):.3f} - {max(xs):.3f}] ({len(xs)})")
             stock = runs.get(("stock", b, s))
             for v in ("plugin", "custom"):
                 xs = runs.get((v, b, s))
                 if not (xs and stock):
                     cells.append("-")
                     continue
-                d = _median(xs) - _median(stock)
+                d = statistics.median(xs) - statistics.median(stock)
                 verdict = ("one run a side: no spread" if len(xs) < 2 or len(stock) < 2 else
                            "slower" if min(xs) > max(stock) else
                            "faster" if max(xs) < min(stock) else "within the spread")

@@ -188,38 +188,39 @@ def _paged_cols(case: Case, flex_skip) -> list:
     return cols + [flex_paged(case, skip=flex_skip), flex_contiguous(flex_skip)]
 
 
-def paged_table(res: Results, cases, timing: dict, flex_skip=None) -> None:
-    title = (f"block_attention non-causal: {QLEN} queries/request, Hq {HQ}, Hkv {HKV}, D {D}, "
-             f"paged K/V [blocks,{BLOCK_SIZE},{HKV},{D}] bf16, shuffled blocks")
+def _case_rows(res: Results, title: str, cases, cols_of, timing: dict,
+               progress: str = "[attention]") -> None:
+    """For each (B, S) of ``cases``: the paged inputs and reference, then ``cols_of(case)``'s
+    columns checked and timed (``run_table``)."""
     for b, s in cases:
         t0 = time.perf_counter()
         probe = 2 * b * s * HKV * D * 2
         case = Case(b, s, rotate_bytes=probe if probe <= 2 * l2_bytes() else None)
         want = reference(case)
         _sync()
-        print(f"[attention] B={b} S={s}: {len(case.sets)} input set(s), K/V "
+        print(f"{progress} B={b} S={s}: {len(case.sets)} input set(s), K/V "
               f"{case.kv_bytes / 1e9:.3g} GB a set; inputs + reference "
               f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-        run_table(res, title, f"B={b} S={s}", case, _paged_cols(case, flex_skip), want, timing,
-                  keys=s, flops=4.0 * b * QLEN * HQ * s * D, x=b * s)
+        run_table(res, title, f"B={b} S={s}", case, cols_of(case), want, timing,
+                  keys=s, flops=4.0 * b * QLEN * HQ * s * D, x=b * s, progress=progress)
         del case, want
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
+
+
+def paged_table(res: Results, cases, timing: dict, flex_skip=None) -> None:
+    title = (f"block_attention non-causal: {QLEN} queries/request, Hq {HQ}, Hkv {HKV}, D {D}, "
+             f"paged K/V [blocks,{BLOCK_SIZE},{HKV},{D}] bf16, shuffled blocks")
+    _case_rows(res, title, cases, lambda case: _paged_cols(case, flex_skip), timing)
 
 
 def configs_table(res: Results, cases, timing: dict) -> None:
     title = (f"block_attention Triton launch configurations: {QLEN} queries/request, Hq {HQ}, "
              f"Hkv {HKV}, D {D}, paged K/V bf16 (rows: BN keys a tile, K/V stages, warps)")
-    for b, s in cases:
-        probe = 2 * b * s * HKV * D * 2
-        case = Case(b, s, rotate_bytes=probe if probe <= 2 * l2_bytes() else None)
-        want = reference(case)
-        cols = [ours(case, "cuda")] + [ours_triton_config(case, *c) for c in TRITON_CONFIGS]
-        run_table(res, title, f"B={b} S={s}", case, cols, want, timing, keys=s,
-                  flops=4.0 * b * QLEN * HQ * s * D, x=b * s, progress="[attention configs]")
-        del case, want
-        if DEVICE == "cuda":
-            torch.cuda.empty_cache()
+    _case_rows(res, title, cases,
+               lambda case: [ours(case, "cuda")] + [ours_triton_config(case, *c)
+                                                    for c in TRITON_CONFIGS],
+               timing, progress="[attention configs]")
 
 
 def _mask_cols(case: Case, causal: bool, window: int, flex_skip) -> list:

@@ -21,9 +21,8 @@ in bf16 and part at near ties, and the oracle turns wrong after a part; parts ar
 the notes). Each rate is the median of REPEATS timed runs. Tokens a second count the new
 tokens over the time after the prefill (the loop's ``Stats.seconds['prefill']``,
 synchronised; for plain decode the same prefill is measured once and subtracted), capture
-excluded. A warm-up run of each strategy first in each
-case (compiles, autotuning, the policy's cost table, which it keeps per drafter across calls
-as a server would); each p is a new workload: the policy forgets the pair's acceptance (keeps
+excluded. A warm-up run of each strategy first in each case (compiles, autotuning, the
+policy's cost table, which it keeps per drafter across calls as a server would); each p is a new workload: the policy forgets the pair's acceptance (keeps
 the costs) and gets one warm-up run on it before the timed ones.
 
 Cases: B 1 / 8 / 32 x S 1k / 8k / 32k (``--quick``: 1 x 1k, 8 x 1k, 1 x 8k), or
@@ -35,6 +34,7 @@ Target (issue 18): the policy never more than 3% slower than the better of ``alw
 """
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from typing import Optional, Sequence
@@ -151,11 +151,11 @@ def run_case(res: Results, target, drafter, batch: int, context: int, ps=P_GRID,
     runs = [_loop_rate(target, oracle, prompts, n_new, policy_blocks=(1,))
             for _ in range(repeats)]
     want, _, _, prefill = runs[0]
-    never = sorted(r[1] for r in runs)[len(runs) // 2]
+    never = statistics.median(r[1] for r in runs)
     _decode_graphed(target, prompts, n_new)  # warm-up
     plains = [_decode_graphed(target, prompts, n_new) for _ in range(repeats)]
     plain_out = plains[0][0]
-    plain = sorted(batch * n_new / max(1e-9, s - prefill) for _, s in plains)[len(plains) // 2]
+    plain = statistics.median(batch * n_new / max(1e-9, s - prefill) for _, s in plains)
     if plain_out != want:
         _say(f"{label}: plain decode and the loop's tokens differ")
     from ..speculator.loop import policy_memory
@@ -174,7 +174,7 @@ def run_case(res: Results, target, drafter, batch: int, context: int, ps=P_GRID,
             # the counter target's margin: every strategy commits never's tokens (a request
             # that parts would make the oracle wrong for it from there: counted)
             differ = sum(a != b for a, b in zip(out, want))
-            rates[name] = sorted(r[1] for r in runs)[len(runs) // 2]  # the median
+            rates[name] = statistics.median(r[1] for r in runs)
             notes[name] = (f"{differ} of {batch} outputs differ from never's; " if differ
                            else "") + (f"acceptance {st.mean_acceptance:.2f}; "
                            + ", ".join(f"{'decode' if b == 1 else f'block {b}'} {k}"

@@ -25,9 +25,8 @@ the active requests it picks the option with the most expected tokens a second:
   later calls start from its table.
 - While it decodes, the acceptance rates cannot move: every ``probe`` consecutive decode
   iterations (of ``decode_tokens`` tokens each) it drafts once with the largest block to
-  look again; the interval doubles (up
-  to 256) each time the probe leaves decoding the better choice, so a pair that never pays
-  costs a vanishing share of probes.
+  look again; the interval doubles (up to 256) each time the probe leaves decoding the better
+  choice, so a pair that never pays costs a vanishing share of probes.
 """
 from __future__ import annotations
 
@@ -119,8 +118,9 @@ class Policy:
         for b in self.options:
             c = self.cost_of(b, bucket, ctx)
             if c is not None and c > 0:
-                per = (float(self.decode_tokens) if b == 1 else None)
-                out[b] = sum(per or expected_tokens(self.rate(r), b) for r in requests) / c
+                tokens = (self.decode_tokens * len(requests) if b == 1 else
+                          sum(expected_tokens(self.rate(r), b) for r in requests))
+                out[b] = tokens / c
         return out
 
     # -- the choice --------------------------------------------------------------------------

@@ -38,7 +38,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..ops.loop import greedy_commit, sample_commit
+from .. import dispatch
+from ..ops.loop import greedy_commit, prepare_step_, sample_commit
 
 
 @dataclass
@@ -352,14 +353,17 @@ class DecodeIteration(Iteration):
         # once per ``steps`` tokens. Measured on the H200 (2026-12-02, bench policy, Qwen3-8B,
         # B 1 / 8 x 1k): separate launches and a read a token ran 0.53 / 0.67 ms a token slower
         # than plain graphed decoding; one graph and one read a token, 0.20 / 0.21 ms. Static
-        # steps without graphs run the same steps directly (CPU tests see the masking).
-        # (its time is all "verify" stage time: nothing to synchronise between)
+        # steps without graphs run the same steps directly (CPU tests see the masking). Its
+        # time is all "verify" stage time.
         self.fused = (sampling is None and vstep is not None
                       and vstep.context_drafter is not None)
         self.steps = max(1, int(steps_per_read)) if self.fused else 1  # tokens an iteration
         self._graphs: dict = {}  # bucket -> (graph, outputs) for self._state
         self._state: Optional[State] = None
         self._rows_key: Optional[torch.Tensor] = None  # the rows self._rows holds
+        if self.fused:  # the active request slots, -1 past them (padding)
+            self._rows = torch.full((vstep.max_batch,), -1, dtype=torch.long,
+                                    device=self.device)
 
     def __call__(self, state: State, rows: torch.Tensor,
                  max_steps: Optional[int] = None) -> Tuple[List[bool], List[int]]:
@@ -385,11 +389,11 @@ class DecodeIteration(Iteration):
         spent = 0.0
         if self.graphs and bucket not in self._graphs:
             t = time.perf_counter()
-            from .. import dispatch
             # capture_graph's warm-up runs one real step: it commits a token, which the first
             # replay must commit again, so the per-request counters go back to before it (its
-            # cache writes and out_tokens column are the ones the replay repeats)
-            keep = (state.n_out, state.start, state.last, self._alive, self._acc)
+            # cache writes and out_tokens column are the ones the replay repeats; alive and
+            # the sums are reset below anyway)
+            keep = (state.n_out, state.start, state.last)
             saved = [x.clone() for x in keep]
             self._graphs[bucket] = dispatch.capture_graph(
                 lambda: self._step(state, bucket), self.device)
@@ -414,21 +418,11 @@ class DecodeIteration(Iteration):
         st.iterations += 1
         return [bool(f) for f in got[0]], got[1]
 
-    @property
-    def _rows(self) -> torch.Tensor:
-        buf = getattr(self, "_rows_buf", None)
-        if buf is None:
-            buf = self._rows_buf = torch.full((self.vstep.max_batch,), -1, dtype=torch.long,
-                                              device=self.device)
-        return buf
-
     def _step(self, state: State, bucket: int) -> None:
         """One decode step of ``bucket`` rows (``self._rows``; past the active ones -1): a row
         whose request finished in an earlier step of the iteration (``alive`` false) becomes
         -1 too, which prepare_step_ pads (the scratch slot) and the commit skips; the step's
         flags are added to ``self._acc``."""
-        from .. import dispatch
-        from ..ops.loop import prepare_step_
         vs, s, n = self.vstep, state, state.n_out.shape[0]
         rows = self._rows[:bucket]
         slot = torch.where((rows >= 0) & (rows < n), rows, torch.full_like(rows, n))

@@ -82,27 +82,30 @@ dispatch.register_backend("select_candidates", "triton", select_candidates)
 # and a chunk whose max is below T holds none of them; (3) a program per (row, chunk) whose max
 # reaches T loads its chunk and takes its entries >= T best first, up to k, the others write
 # nothing but empty slots; (4) a program per row takes the k best of the chunks' candidates
-# and gathers the values from z (so they keep z's dtype and bits). A round of (3) and (4) is
-# one max over (key, index) packed into an int64 (``_packed``: the order is the op's), then
-# the pick dropped (two reductions a round, max and first index, before 2026-12-02). At V
-# 248320, k 16 z is read once plus at most ~k chunks again, and only those chunks run rounds
-# (the first version ran k rounds in every chunk: 56 us at M 7, 2.3 ms at M 448 on the H200,
-# slower than torch.topk). Ties go to the
-# lower index everywhere (the op's rule); NaN above +inf, as the reference's sort (the chunk
-# maxima take NaN as +inf). Empty slots carry index -1 and key -inf and lose to every entry.
+# and gathers the values from z (so they keep z's dtype and bits). An entry is one int64
+# (``_packed``: the key's bits made order-preserving in the high word, -0.0 as +0.0 and NaN
+# above +inf as the reference's sort, 2^31 - 1 - index in the low word), so the op's order is
+# the integers' and entries are distinct: a round is one max, then the pick dropped. Empty
+# slots are EMPTY, below every entry. At V 248320, k 16 z is read once plus at most ~k chunks
+# again, and only those chunks run rounds (the first version ran k rounds of two reductions in
+# every chunk: 56 us at M 7, 2.3 ms at M 448 on the H200, slower than torch.topk).
 TOPK_CHUNK = 2048
+EMPTY = tl.constexpr(-(1 << 63))
 
 
 @triton.jit
 def _packed(key, idx):
-    """(fp32 key, index) as one int64 whose order is the op's: larger key first, then the lower
-    index (the key's bits made order-preserving as an int32 in the high word, 2^31 - 1 - index
-    in the low word); one max a round picks the next entry."""
     key = tl.where(key == 0.0, 0.0, key)  # -0.0 ties with +0.0 (the reference's equality)
     bits = key.to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     ordered = tl.where(key != key, 0x7FFFFFFF, ordered)  # NaN above +inf (0x7F800000)
     return (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - idx.to(tl.int64))
+
+
+@triton.jit
+def _key_of(packed):
+    hi = (packed >> 32).to(tl.int32)  # the order-preserving map is an involution
+    return (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -119,19 +122,17 @@ def _chunk_max_kernel(z_ptr, stride_m, V, cmax_ptr, NCH, CHUNK: tl.constexpr):
 def _threshold_kernel(cmax_ptr, thr_ptr, NCH, K: tl.constexpr, NP: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, NP)
-    avail = j < NCH
-    key = tl.load(cmax_ptr + m * NCH + j, mask=avail, other=float("-inf"))
-    best = tl.max(key, axis=0)  # K >= 1 rounds: the K-th largest, duplicates counted
-    for _t in range(K):
-        best = tl.max(tl.where(avail, key, float("-inf")), axis=0)
-        pick = tl.min(tl.where(avail & (key == best), j, NP), axis=0)
-        best = tl.where(pick < NP, best, float("-inf"))  # fewer than K chunks: no threshold
-        avail = avail & (j != pick)
-    tl.store(thr_ptr + m, best)
+    key = tl.load(cmax_ptr + m * NCH + j, mask=j < NCH, other=float("-inf"))
+    packed = tl.where(j < NCH, _packed(key, j), EMPTY)
+    best = tl.max(packed, axis=0)
+    for _t in range(K - 1):  # the K-th largest, duplicates counted
+        packed = tl.where(packed == best, EMPTY, packed)
+        best = tl.max(packed, axis=0)
+    tl.store(thr_ptr + m, tl.where(best > EMPTY, _key_of(best), float("-inf")))
 
 
 @triton.jit
-def _topk_chunk_kernel(z_ptr, stride_m, V, cmax_ptr, thr_ptr, key_ptr, idx_ptr, NCH,
+def _topk_chunk_kernel(z_ptr, stride_m, V, cmax_ptr, thr_ptr, cand_ptr, NCH,
                        K: tl.constexpr, KP: tl.constexpr, CHUNK: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1).to(tl.int64)
@@ -142,46 +143,33 @@ def _topk_chunk_kernel(z_ptr, stride_m, V, cmax_ptr, thr_ptr, key_ptr, idx_ptr, 
     # interpreter cannot AND a scalar bool with a block)
     inr = (offs < V) & ((tl.zeros([CHUNK], tl.float32) + cm) >= thr)
     key = tl.load(z_ptr + m * stride_m + offs, mask=inr, other=float("-inf")).to(tl.float32)
-    low = -(1 << 63)
-    slot = tl.arange(0, KP)
-    out_k = tl.full([KP], float("-inf"), tl.float32)
-    out_i = tl.full([KP], -1, tl.int64)
-    packed = tl.where(inr, _packed(key, offs), low)
-    # entries below the threshold never count (the threshold's own packing with the highest
-    # index: every entry of key >= thr packs above it)
+    packed = tl.where(inr, _packed(key, offs), EMPTY)
+    # the lowest entry of key thr: every entry below it is none of the row's k best
     floor = _packed(thr, tl.full([], 0x7FFFFFFF, tl.int64))
+    slot = tl.arange(0, KP)
+    out = tl.full([KP], EMPTY, tl.int64)
     best = tl.max(packed, axis=0)
     t = 0
-    while (t < K) & (best > low) & (best >= floor):
-        pick = 0x7FFFFFFF - (best & 0xFFFFFFFF)
-        hi = (best >> 32).to(tl.int32)  # the key back from the high word (an involution)
-        val = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-        out_k = tl.where(slot == t, val, out_k)
-        out_i = tl.where(slot == t, pick, out_i)
-        packed = tl.where(packed == best, low, packed)
+    while (t < K) & (best > EMPTY) & (best >= floor):
+        out = tl.where(slot == t, best, out)
+        packed = tl.where(packed == best, EMPTY, packed)
         best = tl.max(packed, axis=0)
         t += 1
-    base = (m * NCH + c) * KP
-    tl.store(key_ptr + base + slot, out_k)
-    tl.store(idx_ptr + base + slot, out_i)
+    tl.store(cand_ptr + (m * NCH + c) * KP + slot, out)
 
 
 @triton.jit
-def _topk_merge_kernel(z_ptr, stride_m, key_ptr, idx_ptr, val_ptr, out_idx_ptr, N,
+def _topk_merge_kernel(z_ptr, stride_m, cand_ptr, val_ptr, out_idx_ptr, N,
                        K: tl.constexpr, KP: tl.constexpr, NP: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, NP)
-    inr = j < N
-    key = tl.load(key_ptr + m * N + j, mask=inr, other=float("-inf"))
-    idx = tl.load(idx_ptr + m * N + j, mask=inr, other=-1)
-    low = -(1 << 63)
-    packed = tl.where(inr & (idx >= 0), _packed(key, idx), low)  # indices are distinct
+    packed = tl.load(cand_ptr + m * N + j, mask=j < N, other=EMPTY)
     slot = tl.arange(0, KP)
     out_i = tl.full([KP], -1, tl.int64)
-    for t in range(K):
+    for t in range(K):  # k <= V: the row has k entries
         best = tl.max(packed, axis=0)
-        out_i = tl.where((slot == t) & (best > low), 0x7FFFFFFF - (best & 0xFFFFFFFF), out_i)
-        packed = tl.where(packed == best, low, packed)
+        out_i = tl.where(slot == t, 0x7FFFFFFF - (best & 0xFFFFFFFF), out_i)
+        packed = tl.where(packed == best, EMPTY, packed)
     ok = slot < K
     v = tl.load(z_ptr + m * stride_m + tl.where(ok, out_i, 0), mask=ok)
     tl.store(val_ptr + m * K + slot, v, mask=ok)
@@ -199,14 +187,13 @@ def row_topk(z, k: int):
     nch = triton.cdiv(v, chunk)
     cmax = torch.empty((m, nch), dtype=torch.float32, device=z.device)
     thr = torch.empty((m,), dtype=torch.float32, device=z.device)
-    keys = torch.empty((m, nch, kp), dtype=torch.float32, device=z.device)
-    cidx = torch.empty((m, nch, kp), dtype=torch.long, device=z.device)
+    cand = torch.empty((m, nch, kp), dtype=torch.long, device=z.device)
     _chunk_max_kernel[(m, nch)](z, z.stride(0), v, cmax, nch, CHUNK=chunk, num_warps=4)
     _threshold_kernel[(m,)](cmax, thr, nch, K=k, NP=triton.next_power_of_2(nch), num_warps=4)
-    _topk_chunk_kernel[(m, nch)](z, z.stride(0), v, cmax, thr, keys, cidx, nch, K=k, KP=kp,
+    _topk_chunk_kernel[(m, nch)](z, z.stride(0), v, cmax, thr, cand, nch, K=k, KP=kp,
                                  CHUNK=chunk, num_warps=4)
     n = nch * kp
-    _topk_merge_kernel[(m,)](z, z.stride(0), keys, cidx, vals, idx, n, K=k, KP=kp,
+    _topk_merge_kernel[(m,)](z, z.stride(0), cand, vals, idx, n, K=k, KP=kp,
                              NP=triton.next_power_of_2(n), num_warps=4)
     return vals, idx
 
