@@ -176,9 +176,9 @@ def topk_case(m, v, k, ties=False, dtype=torch.float32, seed=0, device="cpu", in
               flat=False, zeros=False, nans=False):
     g = torch.Generator().manual_seed(seed)
     z = torch.zeros(m, v) if flat else torch.randn(m, v, generator=g)  # flat: every entry ties
-    if nans:  # NaN sorts above +inf (a +inf at a lower index comes after it)
+    if nans:  # NaN of either sign sorts above +inf (a +inf at a lower index comes after it)
         z[0, 1] = float("inf")
-        z[0, 3] = z[0, v - 2] = float("nan")
+        z[0, 3], z[0, v - 2] = float("nan"), -float("nan")
     if zeros:  # the best entries are zeros of both signs, which tie (-0.0 == 0.0)
         z = -z.abs() - 1
         z[:, ::7] = -0.0

@@ -123,9 +123,14 @@ def _check_topk(z, k):
 
 def row_topk_ref(z, k: int):
     """(values [M, k] in z's dtype, indices [M, k] int64): a stable descending sort's first k
-    (ties: the lower index first; NaN sorts above +inf)."""
-    vals, idx = torch.sort(z, dim=-1, descending=True, stable=True)
-    return vals[:, :k].contiguous(), idx[:, :k].contiguous()
+    (ties: the lower index first; NaN of either sign sorts above +inf).
+
+    Sorted in fp32 with NaN made positive: CUDA's sort puts bf16 NaNs last and negative NaNs
+    first (H200, torch 2.11), unlike the CPU's; the upcast is exact, so the order is z's."""
+    zf = z.float()
+    zf = torch.where(zf.isnan(), float("nan"), zf)
+    idx = torch.sort(zf, dim=-1, descending=True, stable=True).indices[:, :k].contiguous()
+    return torch.gather(z, 1, idx), idx
 
 
 def _fake_topk(z, k):
