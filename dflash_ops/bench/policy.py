@@ -30,7 +30,10 @@ Cases: B 1 / 8 / 32 x S 1k / 8k / 32k (``--quick``: 1 x 1k, 8 x 1k, 1 x 8k), or
 fit in memory is skipped with a line saying so.
 
 Target (issue 18): the policy never more than 3% slower than the better of ``always`` and
-``plain decode`` at any grid point, and faster than both somewhere.
+``never`` (the issue's "always draft" and "never draft") at any grid point, and faster than both
+somewhere; the summary also gives the ratio to the better of ``always`` and ``plain decode``
+(stricter: the loop's decode iteration also keeps the drafter's context current and reads its
+flags every few tokens, which plain decoding does not).
 """
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ NEW_TOKENS = 128
 REPEATS = 3  # timed runs a strategy and point: the median (one run drifted +-5%)
 STRATEGIES = ("plain decode", "never", "always", "policy")
 TABLE = "tokens a second after the prefill, oracle drafter right with probability p"
-SUMMARY = "policy vs the better of always and plain decode"
+SUMMARY = "policy vs the better of always and never drafting (and of always and plain decode)"
 
 
 class OracleDrafter:
@@ -182,11 +185,13 @@ def run_case(res: Results, target, drafter, batch: int, context: int, ps=P_GRID,
         for name in STRATEGIES:
             res.add(TABLE, case=label, p=p, strategy=name, tokens_per_s=rates[name],
                     x=p, note=notes.get(name, ""))
-        best = max(rates["always"], rates["plain decode"])
+        best = max(rates["always"], rates["never"])
+        strict = max(rates["always"], rates["plain decode"])
         res.add(SUMMARY, case=label, p=p, policy=rates["policy"], always=rates["always"],
-                plain=rates["plain decode"], never=rates["never"],
-                **{"policy / best": rates["policy"] / best,
-                   "ok (>= 0.97)": rates["policy"] >= 0.97 * best})
+                never=rates["never"], plain=rates["plain decode"],
+                **{"policy / max(always, never)": rates["policy"] / best,
+                   "ok (>= 0.97)": rates["policy"] >= 0.97 * best,
+                   "policy / max(always, plain)": rates["policy"] / strict})
         _say(f"{label} p={p}: " + ", ".join(f"{k} {v:.0f}" for k, v in rates.items())
              + f" tok/s; policy {notes['policy']}")
 
@@ -215,6 +220,7 @@ def plot(res: Results, path) -> Optional[str]:
     return res._save_figure(fig, path)
 
 
+HEADROOM = 16 << 30  # bytes beside the caches: graphs' activations, logits, the prefill
 ENV_CASES = "DFLASH_OPS_BENCH_POLICY_CASES"  # e.g. "32x1k,8x32k": replaces the cases
 
 
@@ -237,6 +243,16 @@ def run(quick: bool = False, cases=None) -> Results:
     for b, s in cases or (QUICK_CASES if quick else CASES):
         max_len = round_up(s + NEW_TOKENS + 2 * 16 + 2, KV_BLOCK)
         blocks = (b + 1) * max_len // KV_BLOCK
+        need = sum(2 * c.num_layers * blocks * KV_BLOCK * c.num_kv_heads * c.head_dim * 2
+                   for c in (target.cfg, drafter.cfg))
+        release_caches(target, drafter)
+        free = torch.cuda.mem_get_info()[0]
+        if need + HEADROOM > free:  # skipped before allocating (B 32 x 32k: ~160 GB of K/V)
+            _say(f"B={b} S={s}: skipped, the caches need {need / 1e9:.0f} GB + "
+                 f"{HEADROOM / 1e9:.0f} GB for the steps, {free / 1e9:.0f} GB free")
+            res.notes.append(f"B={b} S={s} not run: its K/V caches need {need / 1e9:.0f} GB, "
+                             f"{free / 1e9:.0f} GB free")
+            continue
         try:
             install_caches(target, drafter, b + 1, blocks, max_len, fill=False)
             run_case(res, target, drafter, b, s)

@@ -185,7 +185,7 @@ class _Steps:
 
 
 # drafter -> {(id(target), steps, sampling, blocks): PolicyMemory}: the policy's measured step
-# costs, the pair's acceptance and its probe interval, kept for the next call on the same pair
+# costs and the pair's acceptance, kept for the next call on the same pair
 # (a warm-up call measures them)
 _POLICY_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -317,7 +317,8 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
                 bucket = min(n, 1 << (len(act) - 1).bit_length())
             if pol is not None:
                 longest = max(lengths[r] for r in act)
-                b = pol.choose(act, bucket, longest)
+                b = pol.choose(act, bucket, longest,
+                               [max_new_tokens - (lengths[r] - len(prompts[r])) for r in act])
                 t, cap = time.perf_counter(), stats.seconds["capture"]
             full = True
             if b == 1:  # no more decode steps than the most tokens a request has left

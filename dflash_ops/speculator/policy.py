@@ -10,33 +10,50 @@ the active requests it picks the option with the most expected tokens a second:
   (1 - a) under a geometric model of acceptance, a = the request's running rate at which a
   draft is accepted given the previous one was (accepted drafts over drafts judged: a
   rejection is judged, drafts after it are not), decayed so that it follows the text; a new
-  request's prior is worth two judged drafts at the pair's acceptance over earlier requests
-  (one accepted and one rejected draft before any). b = 1 is plain decoding: one token, or
-  ``decode_tokens`` (the loop's graphed greedy decode iteration runs several steps).
+  request's prior is worth eight judged drafts at the pair's acceptance over earlier requests
+  (four accepted and four rejected before any; a prior of two let a couple of unlucky
+  probes decide, a simulation near the break-even acceptance: 0.91 -> 0.97 of the better
+  strategy at p 0.4, batch 1). b = 1 is plain decoding: one token, or ``decode_tokens`` (the
+  loop's graphed greedy decode iteration runs several steps). Every count is capped by the
+  tokens the request may still commit (its max_new_tokens).
 - ``cost``: the seconds of one iteration of that option for this batch bucket (the steps'
   padded batch) and context bucket (the next power of two of the longest active request), the
   wall time the loop measures around the iteration (which ends in the loop's one host read),
   capture excluded. The first run of an option in a batch bucket is a warm-up (autotuning,
   the graph's first replay) and is not used. An option never run at a context bucket takes
-  its estimate from the nearest measured context bucket of the same batch bucket; an option
-  never run in a batch bucket is explored (run once to warm up, once to measure).
+  its estimate from the nearest measured context bucket of the same batch bucket, one never
+  run in a batch bucket from the nearest measured batch bucket (the larger one first: a bound
+  from above; the tail of a batch, as its requests finish, runs ever smaller buckets, and
+  exploring each there cost up to 30% of a short run at p 0.95 in a simulation); only an
+  option never run in any batch bucket is explored (run once to warm up, once to measure).
 - Costs, the pair's acceptance and the probe interval outlive a call (``PolicyMemory``, kept
   by the loop per drafter, target, steps mode, sampling and options): a warm-up call measures,
   later calls start from its table.
-- While it decodes, the acceptance rates cannot move: every ``probe`` consecutive decode
-  iterations (of ``decode_tokens`` tokens each) it drafts once with the largest block to
-  look again; the interval doubles (up to 256) each time the probe leaves decoding the better
-  choice, so a pair that never pays costs a vanishing share of probes.
+- It keeps its last choice unless another option's rate is more than ``SWITCH`` higher
+  (estimates near a tie would flip it back and forth; a switch from drafting to decoding also
+  costs one eager add of the verify's pending context rows).
+- While it decodes, the acceptance rates cannot move, so after ``interval`` consecutive decode
+  iterations (of ``decode_tokens`` tokens each) it drafts once with the largest block to look
+  again. The interval is priced: a probe loses cost(probe) * (1 - rate(probe) / rate(decode))
+  against decoding, by the current estimates (at least SWITCH of its cost), and the interval is the fewest decode
+  iterations that keep that loss within ``PROBE_BUDGET`` of their time (1 to ``PROBE_MAX``):
+  near a tie it probes often (a probe costs little and may flip the choice), where drafting
+  is far behind rarely. (The first version doubled the interval after every probe that left
+  decoding ahead and kept it across calls: on the H200 at p 0.4, batch 1 x 8k, where drafting
+  paid 16%, three unlucky probes left it decoding for whole runs at 0.85 of always drafting.)
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-PRIOR = (1.0, 2.0)  # (accepted, judged) drafts before any evidence: a = 0.5
+PRIOR = (4.0, 8.0)  # (accepted, judged) drafts before any evidence: a = 0.5
 DECAY = 0.95        # weight of the past per observation of a request
 PAIR_DECAY = 0.99   # the same for the pair's acceptance over all requests (new ones' prior)
-PROBE_FIRST, PROBE_MAX = 8, 256
+SWITCH = 0.02  # stay with the last option unless another's expected rate is this much higher
+PROBE_BUDGET = 0.01  # while decoding, probes lose at most this share of the time (as estimated)
+PROBE_MAX = 256      # decode iterations between probes at most
 
 
 def expected_tokens(a: float, b: int) -> float:
@@ -57,17 +74,15 @@ class PolicyMemory:
     """What a policy learns about a pair and keeps across calls (the loop keeps one per
     drafter, target, steps mode, sampling and block options): measured iteration costs
     ``cost`` {(block, bucket): {context bucket: seconds}}, the (block, bucket) keys whose
-    warm-up run is done, the pair's decayed acceptance [accepted, judged] (new requests'
-    prior) and the probe interval while decoding."""
+    warm-up run is done and the pair's decayed acceptance [accepted, judged] (new requests'
+    prior)."""
     cost: Dict[Tuple[int, int], Dict[int, float]] = field(default_factory=dict)
     warm: set = field(default_factory=set)
     pair: List[float] = field(default_factory=lambda: [0.0, 0.0])
-    probe: int = PROBE_FIRST
 
     def forget_acceptance(self) -> None:
         """Keep the costs, drop what was learnt about acceptance (a new workload)."""
-        self.pair = [0.0, 0.0]
-        self.probe = PROBE_FIRST
+        self.pair[:] = [0.0, 0.0]
 
 
 class Policy:
@@ -79,7 +94,7 @@ class Policy:
                  decode_tokens: int = 1):
         """``memory``: a PolicyMemory of earlier runs of the same pair and settings, shared and
         updated, so that a later run starts measured, with the pair's acceptance as its
-        requests' prior and the probe interval where the last run left it. ``decode_tokens``:
+        requests' prior. ``decode_tokens``:
         the tokens option 1 (decoding) commits a request an iteration (the loop's graphed
         greedy decode runs several steps between host reads)."""
         opts = sorted(set(int(b) for b in options))
@@ -96,7 +111,7 @@ class Policy:
         self.cost: Dict[Tuple[int, int], Dict[int, float]] = cost  # (b, bucket) -> {ctx: s}
         self.warm: set = warm  # (b, bucket) whose warm-up run is done
         self._decoding = 0  # consecutive decode iterations
-        self._probing = False
+        self._last: Optional[int] = None  # the last choice that was not a probe
 
     # -- estimates -------------------------------------------------------------------------
     def rate(self, r: int) -> float:
@@ -105,39 +120,65 @@ class Policy:
 
     def cost_of(self, b: int, bucket: int, ctx: int) -> Optional[float]:
         by_ctx = self.cost.get((b, bucket))
-        if not by_ctx:
-            return None
+        if not by_ctx:  # the nearest measured batch bucket, larger first (an upper bound)
+            known = [k for (o, k), v in self.cost.items() if o == b and v]
+            if not known:
+                return None
+            near = min(known, key=lambda k: (abs(k.bit_length() - bucket.bit_length()), -k))
+            by_ctx = self.cost[(b, near)]
         if ctx in by_ctx:
             return by_ctx[ctx]
         near = min(by_ctx, key=lambda c: abs(c.bit_length() - ctx.bit_length()))
         return by_ctx[near]
 
-    def rates(self, requests: Sequence[int], bucket: int, ctx: int) -> Dict[int, float]:
-        """Expected tokens a second of each option with a cost estimate."""
+    def rates(self, requests: Sequence[int], bucket: int, ctx: int,
+              left: Optional[Sequence[int]] = None) -> Dict[int, float]:
+        """Expected tokens a second of each option with a cost estimate; ``left``: the most
+        tokens each request may still commit (max_new_tokens), which caps its count."""
+        cap = list(left) if left is not None else [1 << 30] * len(requests)
         out = {}
         for b in self.options:
             c = self.cost_of(b, bucket, ctx)
             if c is not None and c > 0:
-                tokens = (self.decode_tokens * len(requests) if b == 1 else
-                          sum(expected_tokens(self.rate(r), b) for r in requests))
+                tokens = (sum(min(self.decode_tokens, m) for m in cap) if b == 1 else
+                          sum(expected_tokens(self.rate(r), min(b, m))
+                              for r, m in zip(requests, cap)))
                 out[b] = tokens / c
         return out
 
     # -- the choice --------------------------------------------------------------------------
-    def choose(self, requests: Sequence[int], bucket: int, longest: int) -> int:
+    def choose(self, requests: Sequence[int], bucket: int, longest: int,
+               left: Optional[Sequence[int]] = None) -> int:
+        """The block size of the next iteration of ``requests`` (slots) in batch ``bucket``, the
+        longest being ``longest`` tokens; ``left``: the most tokens each may still commit."""
         ctx = context_bucket(longest)
-        # explore: an option without a measured cost in this bucket (largest block first)
+        # explore: an option without a measured cost in any batch bucket (largest block first)
         for b in sorted(self.options, reverse=True):
-            if not self.cost.get((b, bucket)):
+            if not any(v for (o, _), v in self.cost.items() if o == b):
                 return self._take(b, probing=False)
-        rates = self.rates(requests, bucket, ctx)
+        rates = self.rates(requests, bucket, ctx, left)
         best = max(rates, key=lambda b: (rates[b], b))
-        if best == 1 and len(self.options) > 1 and self._decoding >= self.memory.probe:
+        last = self._last
+        if last in rates and rates[best] <= (1.0 + SWITCH) * rates[last]:
+            best = last
+        if (best == 1 and len(self.options) > 1
+                and self._decoding >= self.probe_interval(rates, bucket, ctx)):
             return self._take(self.options[-1], probing=True)
         return self._take(best, probing=False)
 
+    def probe_interval(self, rates: Dict[int, float], bucket: int, ctx: int) -> int:
+        """Decode iterations before a probe with the largest block: the fewest whose time holds
+        the probe's estimated loss against decoding within PROBE_BUDGET (1 to PROBE_MAX)."""
+        b = self.options[-1]
+        c1, cb = self.cost_of(1, bucket, ctx), self.cost_of(b, bucket, ctx)
+        if not (rates.get(1) and rates.get(b) and c1 and cb):
+            return 1
+        loss = cb * max(SWITCH, 1.0 - rates[b] / rates[1])  # at least a switch's margin
+        return int(min(PROBE_MAX, max(1, math.ceil(loss / (PROBE_BUDGET * c1)))))
+
     def _take(self, b: int, probing: bool) -> int:
-        self._probing = probing
+        if not probing:
+            self._last = b
         self._decoding = self._decoding + 1 if b == 1 else 0
         return b
 
@@ -164,10 +205,3 @@ class Policy:
                 for a, d in ((self.acc[r], DECAY), (self.pair, PAIR_DECAY)):
                     a[0] = d * a[0] + accepted
                     a[1] = d * a[1] + judged
-        if self._probing:
-            self._probing = False
-            rates = self.rates(requests, bucket, context_bucket(longest))
-            if rates and max(rates, key=lambda x: (rates[x], x)) == 1:
-                self.memory.probe = min(PROBE_MAX, 2 * self.memory.probe)  # still not worth it
-            else:
-                self.memory.probe = PROBE_FIRST
