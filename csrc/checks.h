@@ -14,6 +14,7 @@
 #include <ostream>
 #include <sstream>
 #include <string>
+#include <utility>
 
 namespace dflash_ops {
 namespace detail {
@@ -145,6 +146,28 @@ inline void check_last_dim(const char* op, const Arg& name, const at::Tensor& t)
 inline void check_head_dim(const char* op, const Arg& name, int64_t d) {
   TORCH_CHECK_VALUE(d == 16 || d == 32 || d == 64 || d == 128 || d == 256, "dflash.", op, ": ",
                     name, " head_dim must be one of [16, 32, 64, 128, 256], got ", d);
+}
+
+// _checks.no_overlap: t (written) and other share no bytes (same device).
+inline std::pair<uintptr_t, uintptr_t> byte_span(const at::Tensor& t) {
+  if (t.numel() == 0) return {0, 0};
+  int64_t last = 0, neg = 0;
+  for (int64_t i = 0; i < t.dim(); ++i) {
+    const int64_t st = t.stride(i), ext = (t.size(i) - 1) * (st < 0 ? -st : st);
+    last += ext;
+    if (st < 0) neg += ext;
+  }
+  const uintptr_t start = reinterpret_cast<uintptr_t>(t.data_ptr()) - neg * t.element_size();
+  return {start, start + (last + 1) * t.element_size()};
+}
+
+inline void check_no_overlap(const char* op, const char* name, const at::Tensor& t,
+                             const char* other_name, const at::Tensor& other) {
+  if (t.device() != other.device()) return;
+  const auto a = byte_span(t), b = byte_span(other);
+  TORCH_CHECK_VALUE(!(a.first < b.second && b.first < a.second), "dflash.", op, ": ", name,
+                    " must not overlap ", other_name, " (a kernel writes ", name,
+                    " while it reads ", other_name, ")");
 }
 
 inline void check_eps(const char* op, double eps) {

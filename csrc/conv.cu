@@ -1,4 +1,6 @@
-// DFlash 2's grouped dynamic causal convolution: grouped_dyn_conv (dflash_ops/ops/conv.py).
+// DFlash 2's grouped dynamic causal convolution: grouped_dyn_conv, and conv_add_rms_norm_ (the
+// convolution after a sublayer, the residual add and the next RMSNorm in one kernel)
+// (dflash_ops/ops/conv.py).
 //
 //   y[t, c] = sum over o < K with t % B >= o of (base[o, c] + dynamic[t, o, c / G]) * x[t - o, c]
 //
@@ -101,6 +103,90 @@ __global__ void __launch_bounds__(kThreads) grouped_dyn_conv_kernel(const ConvPa
   }
 }
 
+// conv_add_rms_norm_: one block a row; each thread owns VEC channels at a time (stride the
+// block), convolves them as above (rounded to the dtype), adds them into the residual row
+// (rounded, stored) and sums their squares; a block reduction gives rstd; then the thread's
+// own residual channels again (its own stores: no barrier needed for them) for the output,
+// RMSNorm's numerics (fp32 rstd, cast, times the weight, rounded).
+struct ConvNormParams {
+  ConvParams c;       // x, dyn, base, y = out, rows, h, strides, k, block, group
+  void* res;          // residual row t at res + t * sr; the output row t at c.y + t * so
+  const void* w;      // [H]
+  int64_t sr, so;
+  float eps, inv_h;
+};
+
+constexpr int kNormThreads = 256;
+
+__device__ __forceinline__ float block_sum256(float v, float* smem) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  float s = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kNormThreads / 32; ++i) s += smem[i];
+  return s;
+}
+
+template <class E, int VEC, bool ONE_GROUP>
+__global__ void __launch_bounds__(kNormThreads) conv_add_rms_norm_kernel(const ConvNormParams q) {
+  using Bits = typename E::Bits;
+  using P = Pack<Bits, VEC>;
+  __shared__ float smem[kNormThreads / 32];
+  const ConvParams& p = q.c;
+  const int64_t t = blockIdx.x;
+  const int pos = static_cast<int>(t % p.block);
+  const int taps = pos + 1 < p.k ? pos + 1 : p.k;
+  const Bits* xb = static_cast<const Bits*>(p.x);
+  const Bits* db = static_cast<const Bits*>(p.dyn);
+  const Bits* bb = static_cast<const Bits*>(p.base);
+  Bits* rb = static_cast<Bits*>(q.res) + t * q.sr;
+  float ss = 0.0f;
+  for (int64_t c = int64_t(threadIdx.x) * VEC; c < p.h; c += int64_t(kNormThreads) * VEC) {
+    float acc[VEC];
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) acc[v] = 0.0f;
+    for (int o = 0; o < taps; ++o) {
+      const P xv = load_pack_ro<P>(xb + (t - o) * p.sx + c);
+      const P bv = load_pack_ro<P>(bb + o * p.sb + c);
+      const Bits* drow = db + t * p.sd_t + o * p.sd_k;
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        const int g = ONE_GROUP ? static_cast<int>(c) / p.group
+                                : (static_cast<int>(c) + v) / p.group;
+        const float d = E::to_float(__ldg(drow + g));
+        const float w = __fadd_rn(E::to_float(bv.e[v]), d);
+        acc[v] = __fadd_rn(acc[v], __fmul_rn(w, E::to_float(xv.e[v])));
+      }
+    }
+    P r = load_pack<P>(rb + c);
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) {
+      const float conv = E::to_float(E::from_float(acc[v]));  // c rounded to the dtype
+      r.e[v] = E::from_float(__fadd_rn(E::to_float(r.e[v]), conv));
+      const float rf = E::to_float(r.e[v]);
+      ss = __fmaf_rn(rf, rf, ss);
+    }
+    store_pack(rb + c, r);
+  }
+  const float rstd = rsqrtf(block_sum256(ss, smem) * q.inv_h + q.eps);
+  const Bits* wb = static_cast<const Bits*>(q.w);
+  Bits* ob = static_cast<Bits*>(p.y) + t * q.so;
+  for (int64_t c = int64_t(threadIdx.x) * VEC; c < p.h; c += int64_t(kNormThreads) * VEC) {
+    const P r = load_pack<P>(rb + c);
+    const P wv = load_pack_ro<P>(wb + c);
+    P out;
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) {
+      const float n = E::to_float(E::from_float(__fmul_rn(E::to_float(r.e[v]), rstd)));
+      out.e[v] = E::from_float(__fmul_rn(n, E::to_float(wv.e[v])));
+    }
+    store_pack(ob + c, out);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Host side.
 
@@ -142,12 +228,28 @@ void run(const ConvParams& p, cudaStream_t stream) {
   }
 }
 
-}  // namespace
+template <class E>
+void run_norm(const ConvNormParams& q, cudaStream_t stream) {
+  constexpr int kVec = 16 / static_cast<int>(sizeof(typename E::Bits));
+  const ConvParams& p = q.c;
+  const bool vec = p.h % kVec == 0 && p.sx % kVec == 0 && p.sb % kVec == 0 &&
+                   q.sr % kVec == 0 && q.so % kVec == 0 && aligned16(p.x) && aligned16(p.base) &&
+                   aligned16(p.y) &&
+                   aligned16(q.res) && aligned16(q.w);
+  const dim3 grid(static_cast<unsigned>(p.rows));
+  if (vec && p.group % kVec == 0) {
+    conv_add_rms_norm_kernel<E, kVec, true><<<grid, kNormThreads, 0, stream>>>(q);
+  } else if (vec) {
+    conv_add_rms_norm_kernel<E, kVec, false><<<grid, kNormThreads, 0, stream>>>(q);
+  } else {
+    conv_add_rms_norm_kernel<E, 1, true><<<grid, kNormThreads, 0, stream>>>(q);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
 
-at::Tensor grouped_dyn_conv(const at::Tensor& x, const at::Tensor& dynamic,
-                            const at::Tensor& base, int64_t group_size, int64_t block_size) {
-  constexpr const char* op = "grouped_dyn_conv";
-  // the order and messages of dflash_ops/ops/conv.py _check
+// the order and messages of dflash_ops/ops/conv.py _check
+void check_conv(const char* op, const at::Tensor& x, const at::Tensor& dynamic,
+                const at::Tensor& base, int64_t group_size, int64_t block_size) {
   check_cuda(op, "x", x);
   check_rank(op, "x", x, 2);
   check_float(op, "x", x);
@@ -176,23 +278,36 @@ at::Tensor grouped_dyn_conv(const at::Tensor& x, const at::Tensor& dynamic,
   TORCH_CHECK_VALUE(k <= kMax32 && block_size <= kMax32 && t <= kMax32 && h <= kMax32, "dflash.",
                     op, ": x [", t, ", ", h, "], K = ", k, " or block_size = ", block_size,
                     " is too large (each at most 2^31 - 1)");
+}
 
-  at::Tensor y = at::empty({t, h}, x.options().memory_format(at::MemoryFormat::Contiguous));
-  if (t == 0 || h == 0) return y;
+ConvParams conv_params(const at::Tensor& x, const at::Tensor& dynamic, const at::Tensor& base,
+                       int64_t group_size, int64_t block_size, at::Tensor& y) {
   ConvParams p{};
   p.x = x.data_ptr();
   p.dyn = dynamic.data_ptr();
   p.base = base.data_ptr();
   p.y = y.data_ptr();
-  p.rows = t;
-  p.h = h;
   p.sx = x.stride(0);
   p.sd_t = dynamic.stride(0);
   p.sd_k = dynamic.stride(1);
   p.sb = base.stride(0);
-  p.k = static_cast<int>(k);
+  p.rows = x.size(0);
+  p.h = x.size(1);
+  p.k = static_cast<int>(base.size(0));
   p.block = static_cast<int>(block_size);
   p.group = static_cast<int>(group_size);
+  return p;
+}
+
+}  // namespace
+
+at::Tensor grouped_dyn_conv(const at::Tensor& x, const at::Tensor& dynamic,
+                            const at::Tensor& base, int64_t group_size, int64_t block_size) {
+  check_conv("grouped_dyn_conv", x, dynamic, base, group_size, block_size);
+  const int64_t t = x.size(0), h = x.size(1);
+  at::Tensor y = at::empty({t, h}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (t == 0 || h == 0) return y;
+  const ConvParams p = conv_params(x, dynamic, base, group_size, block_size, y);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
   switch (x.scalar_type()) {
@@ -203,9 +318,58 @@ at::Tensor grouped_dyn_conv(const at::Tensor& x, const at::Tensor& dynamic,
   return y;
 }
 
+void conv_add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Tensor& dynamic,
+                        const at::Tensor& base, int64_t group_size, int64_t block_size,
+                        const at::Tensor& weight, double eps, at::Tensor& out) {
+  constexpr const char* op = "conv_add_rms_norm_";
+  // the order and messages of dflash_ops/ops/conv.py _check_norm
+  check_conv(op, x, dynamic, base, group_size, block_size);
+  const int64_t t = x.size(0), h = x.size(1);
+  check_rank(op, "residual", residual, 2);
+  check_device(op, "residual", residual, x.device());
+  check_last_dim(op, "residual", residual);
+  check_same_dtype(op, "residual", residual, "x", x);
+  TORCH_CHECK_VALUE(residual.sizes() == x.sizes(), "dflash.", op,
+                    ": residual must have the shape of x ", py_list(x.sizes()), ", got ",
+                    py_list(residual.sizes()));
+  check_rank(op, "weight", weight, 1);
+  check_device(op, "weight", weight, x.device());
+  check_last_dim(op, "weight", weight);
+  check_same_dtype(op, "weight", weight, "x", x);
+  TORCH_CHECK_VALUE(weight.size(0) == h, "dflash.", op, ": weight must be [H = ", h, "], got ",
+                    py_list(weight.sizes()));
+  check_eps(op, eps);
+  check_rank(op, "out", out, 2);
+  check_device(op, "out", out, x.device());
+  check_last_dim(op, "out", out);
+  check_same_dtype(op, "out", out, "x", x);
+  TORCH_CHECK_VALUE(out.sizes() == x.sizes(), "dflash.", op, ": out must have the shape of x ",
+                    py_list(x.sizes()), ", got ", py_list(out.sizes()));
+  check_no_overlap(op, "residual", residual, "x", x);
+  check_no_overlap(op, "out", out, "x", x);
+  check_no_overlap(op, "out", out, "residual", residual);
+  if (t == 0 || h == 0) return;
+  ConvNormParams q{};
+  q.c = conv_params(x, dynamic, base, group_size, block_size, out);
+  q.res = residual.data_ptr();
+  q.w = weight.data_ptr();
+  q.sr = residual.stride(0);
+  q.so = out.stride(0);
+  q.eps = static_cast<float>(eps);
+  q.inv_h = 1.0f / static_cast<float>(h);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
+  switch (x.scalar_type()) {
+    case at::kBFloat16: run_norm<BF16>(q, stream); break;
+    case at::kHalf: run_norm<F16>(q, stream); break;
+    default: run_norm<F32>(q, stream); break;
+  }
+}
+
 }  // namespace dflash_ops
 
 static void register_kernels(torch::Library& m) {
   m.impl("grouped_dyn_conv", TORCH_FN(dflash_ops::grouped_dyn_conv));
+  m.impl("conv_add_rms_norm_", TORCH_FN(dflash_ops::conv_add_rms_norm_));
 }
 DFLASH_OPS_REGISTER_CUDA(register_kernels)

@@ -148,6 +148,15 @@ void block_attention_out_(const at::Tensor& q, const at::Tensor& k_cache,
 at::Tensor grouped_dyn_conv(const at::Tensor& x, const at::Tensor& dynamic,
                             const at::Tensor& base, int64_t group_size, int64_t block_size);
 
+// conv_add_rms_norm_(Tensor x, Tensor(a!) residual, Tensor dynamic, Tensor base, int group_size,
+//                    int block_size, Tensor weight, float eps, *, Tensor(b!) out) -> ()
+//   grouped_dyn_conv(x, dynamic, base, ...) rounded to x's dtype, added into residual [T, H]
+//   (x's dtype, unit stride in H) in place; out [T, H] (unit stride in H, overlapping neither x
+//   nor residual) = RMSNorm(residual) * weight (weight [H]), fused_add_rms_norm_'s numerics.
+void conv_add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Tensor& dynamic,
+                        const at::Tensor& base, int64_t group_size, int64_t block_size,
+                        const at::Tensor& weight, double eps, at::Tensor& out);
+
 // select_candidates(Tensor unary, Tensor cand, Tensor hidden, Tensor anchor, Tensor pred,
 //                   Tensor succ, float temperature, Tensor? u=None) -> (Tensor, Tensor)
 //   DFlash 2's selector walk (dflash_ops/ops/select.py): unary [R, J, k] float, cand [R, J, k]

@@ -1,11 +1,15 @@
-"""``grouped_dyn_conv`` (DFlash 2's grouped dynamic causal convolution).
+"""``grouped_dyn_conv`` (DFlash 2's grouped dynamic causal convolution) and
+``conv_add_rms_norm_`` (that convolution, the residual add and the next RMSNorm fused).
 
 The torch reference against the definition written as loops and against the ``dflash``
 package's own convolution (``dflash.model._grouped_dynamic_convolve``, run per block: batch =
 requests, length = B); the Triton kernel against the reference under TRITON_INTERPRET=1 on CPU
 (fp32 / fp16) over a grid of K, group sizes, block sizes (shorter than K included), request
 counts, strided dynamic views (a half of the [T, 2, K, G] projection) and channel counts that are
-not a power of two; on the GPU in bf16 / fp16 / fp32.
+not a power of two; on the GPU in bf16 / fp16 / fp32. ``conv_add_rms_norm_``'s reference against
+the unfused ops (``grouped_dyn_conv_ref``, then ``fused_add_rms_norm_``'s reference), its kernels
+against the reference (the residual updated in place and the normed output, into a strided out
+view too), the drafter's real widths (H 4096 / 5120, T up to 4096) on the GPU.
 """
 from __future__ import annotations
 
@@ -15,7 +19,9 @@ import torch
 from tests.conftest import run_interpreted
 
 from dflash_ops import dispatch
-from dflash_ops.ops.conv import grouped_dyn_conv, grouped_dyn_conv_ref
+from dflash_ops.ops.conv import (conv_add_rms_norm, conv_add_rms_norm_, conv_add_rms_norm_ref,
+                                 grouped_dyn_conv, grouped_dyn_conv_ref)
+from dflash_ops.ops.norm import rms_norm_ref
 
 
 def case(r, b, h, k, gs, dtype=torch.float32, strided=False, seed=0, device="cpu", pad=0):
@@ -101,10 +107,72 @@ def check_backend(device, dtypes, backend="triton"):
             assert got.is_contiguous() and got.dtype == dtype
 
 
+def norm_case(r, b, h, k, gs, dtype=torch.float32, strided=False, seed=0, device="cpu", pad=0):
+    kw = case(r, b, h, k, gs, dtype, strided, seed, device, pad)
+    g = torch.Generator().manual_seed(seed + 1000)
+    kw["residual"] = torch.randn(r * b, h, generator=g).to(device, dtype)
+    kw["weight"] = (1 + 0.1 * torch.randn(h, generator=g)).to(device, dtype)
+    kw["eps"] = 1e-6
+    return kw
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_reference_is_conv_then_add_norm(dtype):
+    """conv_add_rms_norm_ref = grouped_dyn_conv (rounded), residual += it, RMSNorm: the layer's
+    unfused sequence, bit for bit."""
+    kw = norm_case(3, 8, 64, 2, 16, dtype=dtype, strided=True, seed=5)
+    res0 = kw["residual"].clone()
+    conv = by_definition(kw["x"], kw["dynamic"], kw["base"], 16, 8).to(dtype)
+    want_res = (res0 + conv)
+    want = rms_norm_ref(want_res, kw["weight"], kw["eps"])
+    got = torch.empty_like(want)
+    conv_add_rms_norm_ref(**kw, out=got)
+    tol = 0 if dtype == torch.float32 else 2e-2  # by_definition sums in fp64
+    torch.testing.assert_close(kw["residual"].float(), want_res.float(), atol=tol + 1e-5,
+                               rtol=tol + 1e-5)
+    torch.testing.assert_close(got.float(), want.float(), atol=tol + 1e-5, rtol=tol + 1e-5)
+    assert not torch.equal(kw["residual"], res0)
+
+
+NORM_GRID = [g for g in GRID if g[0] * g[1] < 1000]
+NORM_GRID_GPU = GRID + [(1, 8, 5120, 2, 16, True, 0), (8, 8, 5120, 2, 16, True, 0),
+                        (512, 8, 5120, 2, 16, True, 0), (256, 16, 4096, 2, 16, True, 0),
+                        (3, 4, 1000, 3, 8, False, 24)]
+
+
+def check_norm_backend(device, dtypes, backend="triton", grid=NORM_GRID):
+    for dtype in dtypes:
+        for r, b, h, k, gs, strided, pad in grid:
+            kw = norm_case(r, b, h, k, gs, dtype=dtype, strided=strided, seed=r + b + k,
+                           device=device, pad=pad)
+            what = f"{backend} {dtype} {(r, b, h, k, gs, strided, pad)}"
+            ref_kw = dict(kw, residual=kw["residual"].clone())
+            want = torch.empty_like(kw["x"])
+            conv_add_rms_norm_ref(**ref_kw, out=want)
+            with dispatch.use_backend(backend, ops=("conv_add_rms_norm_",)):
+                if pad:  # out a strided view (rows of H + pad)
+                    wide = torch.full((r * b, h + pad), float("nan"), dtype=dtype, device=device)
+                    got = wide[:, :h]
+                    conv_add_rms_norm_(**kw, out=got)
+                    assert wide[:, h:].isnan().all(), what
+                else:
+                    got = conv_add_rms_norm(**kw)
+            # the CUDA kernel's convolution and add round as the reference's do: the residual
+            # is equal; the output differs by the rstd's last bits (its own reduction order)
+            rtol = 0.0 if backend == "cuda" else 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(kw["residual"].float(), ref_kw["residual"].float(),
+                                       atol=rtol, rtol=rtol, msg=lambda m: f"{what} residual: {m}")
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol,
+                                       msg=lambda m: f"{what} out: {m}")
+            assert got.dtype == dtype and got.shape == (r * b, h)
+
+
 _SCRIPT = r"""
 import torch
 import tests.test_conv_kernels as t
 t.check_backend("cpu", (torch.float32, torch.float16))
+t.check_norm_backend("cpu", (torch.float32, torch.float16))
 print("interp-ok")
 """
 
@@ -119,6 +187,15 @@ def test_kernels_gpu(backend):
     if not dispatch.has_backend("grouped_dyn_conv", backend):
         pytest.fail(f"no {backend} kernel for grouped_dyn_conv (is dflash_ops._C built?)")
     check_backend("cuda", (torch.bfloat16, torch.float16, torch.float32), backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_norm_kernels_gpu(backend):
+    if not dispatch.has_backend("conv_add_rms_norm_", backend):
+        pytest.fail(f"no {backend} kernel for conv_add_rms_norm_ (is dflash_ops._C built?)")
+    check_norm_backend("cuda", (torch.bfloat16, torch.float16, torch.float32), backend,
+                       NORM_GRID_GPU)
 
 
 @pytest.mark.gpu

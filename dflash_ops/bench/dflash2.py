@@ -4,6 +4,11 @@
   half of the [T, 2, 2, 320] projection, blocks of 8 rows: our kernels (Triton, CUDA) vs the
   ``dflash`` package's convolution run eagerly (its per-tap bf16 products) vs the floor (x,
   dynamic and y once, over this run's copy bandwidth), T 64 .. 16384 (batch x 8 rows).
+* ``conv_add_rms_norm`` (the convolution after a sublayer, the residual add and the next
+  RMSNorm in one kernel; the drafter runs it twice a layer) on the same shapes, T 8 .. 4096:
+  our kernels (Triton, CUDA) vs the two kernels it replaces (``grouped_dyn_conv`` then
+  ``fused_add_rms_norm_``, default backends) vs the floor (x, dynamic, the residual read and
+  written, the output).
 * ``select_candidates``: R requests x 7 rows, k 16, rank 256, V 248320 codebooks (the gathered
   rows are the bytes: R * 7 * (k + 1) * rank * 2 + unary/hidden): our kernels (Triton, CUDA)
   vs the walk as eager torch (the reference), R 1 .. 64.
@@ -20,6 +25,7 @@ from .harness import Results, floor_us, measure_floors, rotating, time_fn
 H, K, GS, BLOCK = 5120, 2, 16, 8
 CONV_T = (64, 512, 4096, 16384)
 QUICK_CONV_T = (512, 4096)
+NORM_T = (8, 64, 512, 4096)
 SEL_R = (1, 8, 64)
 QUICK_SEL_R = (1, 64)
 
@@ -61,6 +67,42 @@ def _conv(res: Results, ts, timing) -> None:
             res.add_time(table, str(t), "dflash eager", time_fn(ref_fn, rotate=sets, graph=True,
                                                                 **timing),
                          bytes_moved=moved, floor=fl, x=t)
+
+
+def _conv_norm(res: Results, ts, timing) -> None:
+    from dflash_ops.ops.conv import conv_add_rms_norm, conv_add_rms_norm_ref, grouped_dyn_conv
+    from dflash_ops.ops.norm import fused_add_rms_norm_
+    g = H // GS
+    dev, bf16 = "cuda", torch.bfloat16
+    table = f"conv_add_rms_norm x[T,{H}] bf16, K {K}, group {GS}, blocks of {BLOCK}"
+    w = 1 + 0.1 * torch.randn(H, dtype=bf16, device=dev)
+    for t in ts:
+        def make(t=t):
+            return (torch.randn(t, H, dtype=bf16, device=dev),
+                    torch.randn(t, H, dtype=bf16, device=dev),
+                    torch.randn(t, 2, K, g, dtype=bf16, device=dev)[:, 0],
+                    torch.randn(K, H, dtype=bf16, device=dev))
+        moved = t * H * 2 * 4 + t * K * g * 2 + K * H * 2 + H * 2  # x, res r+w, out; dyn, base, w
+        sets = rotating(make, moved)
+        x, r, dyn, base = sets[0]
+        fl = floor_us(res.floors, moved)
+        want = conv_add_rms_norm_ref(x, r.clone(), dyn, base, GS, BLOCK, w, 1e-6).float()
+        for backend in ("triton", "cuda"):
+            if not dispatch.has_backend("conv_add_rms_norm", backend):
+                continue
+            with dispatch.use_backend(backend, ops=("conv_add_rms_norm",)):
+                got = conv_add_rms_norm(x, r.clone(), dyn, base, GS, BLOCK, w, 1e-6).float()
+                res.add_time(table, str(t), f"ours ({backend})", time_fn(
+                    lambda x, r, d, b: conv_add_rms_norm(x, r, d, b, GS, BLOCK, w, 1e-6),
+                    rotate=sets, graph=True, **timing), bytes_moved=moved, floor=fl, x=t,
+                    err=(got - want).abs().max().item())
+
+        def unfused(x, r, d, b):
+            c = grouped_dyn_conv(x, d, b, GS, BLOCK)
+            fused_add_rms_norm_(c, r, w, 1e-6)
+            return c
+        res.add_time(table, str(t), "conv + fused_add_rms_norm_", time_fn(
+            unfused, rotate=sets, graph=True, **timing), bytes_moved=moved, floor=fl, x=t)
 
 
 def _select(res: Results, rs, timing) -> None:
@@ -118,6 +160,7 @@ def run(quick: bool = False) -> Results:
     timing = dict(warmup_ms=10, rep_ms=40) if quick else dict(warmup_ms=25, rep_ms=100)
     with torch.no_grad():
         _conv(res, QUICK_CONV_T if quick else CONV_T, timing)
+        _conv_norm(res, NORM_T, timing)
         _select(res, QUICK_SEL_R if quick else SEL_R, timing)
     res.notes += [
         "timing: median per call of CUDA-graph replays; inputs rotate over sets totalling >= 2x "

@@ -34,7 +34,7 @@ from ..ops.rope import make_cos_sin_cache
 from .cache import PagedKVCache
 from .config import DFlashConfig
 from .hf_config import rope_table_len
-from .layer import DecoderLayer, Tokens
+from .layer import DecoderLayer, Pending, Tokens
 from .linear import linear
 from .weights import check_drafter_state, stack_kv
 
@@ -131,6 +131,8 @@ class DFlashDrafter:
         h = None
         for i, layer in enumerate(self.layers):
             h = layer(x, h, self.cache.k[i], self.cache.v[i], t)
+        if isinstance(h, Pending):  # x is this call's own: += in place
+            return h.add_norm_(x, self.norm, self.cfg.rms_norm_eps)
         x = x + h
         return OPS.rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 

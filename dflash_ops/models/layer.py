@@ -11,8 +11,11 @@ the SwiGLU MLP (``silu_mul`` between the fused gate/up GEMM and down). The MLP o
 returned, not added: the caller adds it (the next layer's input norm, a tap, the final norm).
 
 DFlash 2 layers also hold two grouped dynamic convolutions (``Conv``): ``attention_conv`` on the
-normed input of the attention (``prepare``) and on its output (``finish``), ``mlp_conv`` the same
-around the MLP, along each block's rows (``Tokens.conv_block``).
+normed input of the attention (``prepare``) and on its output, ``mlp_conv`` the same around the
+MLP, along each block's rows (``Tokens.conv_block``). The convolution of a sublayer's output runs
+fused with the residual add and the next RMSNorm (``conv_add_rms_norm_``): after the attention
+inside the layer; after the MLP in the next layer's input norm (or the drafter's final norm), so
+a DFlash 2 layer returns its MLP output not yet convolved, as a ``Pending``.
 """
 from __future__ import annotations
 
@@ -59,8 +62,37 @@ class Conv:
         dyn = linear(h, self.proj).view(h.shape[0], 2, k, -1)
         return OPS.grouped_dyn_conv(h, dyn[:, 0], self.base[0], self.group_size, block), dyn[:, 1]
 
-    def finish(self, y: torch.Tensor, dyn: torch.Tensor, block: int) -> torch.Tensor:
-        return OPS.grouped_dyn_conv(y, dyn, self.base[1], self.group_size, block)
+    def finish_add_norm(self, y: torch.Tensor, dyn: torch.Tensor, block: int, x: torch.Tensor,
+                        weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x += (the convolution of the sublayer's output y with base[1] and dyn, rounded to the
+        dtype) in place; returns RMSNorm(x) * weight."""
+        out = torch.empty_like(y)
+        OPS.conv_add_rms_norm_(y, x, dyn, self.base[1], self.group_size, block, weight, eps,
+                               out=out)
+        return out
+
+
+@dataclass
+class Pending:
+    """A DFlash 2 layer's MLP output ``y`` whose convolution (``conv`` with the dynamic taps
+    ``dyn``, blocks of ``block`` rows) is still to run: ``add_norm_`` runs it fused with the
+    residual add and the norm that follow."""
+    y: torch.Tensor
+    dyn: torch.Tensor
+    conv: Conv
+    block: int
+
+    def add_norm_(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.conv.finish_add_norm(self.y, self.dyn, self.block, x, weight, eps)
+
+
+def add_norm_(h, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x += h (a layer's MLP output: a tensor, or a DFlash 2 ``Pending``) in place; returns
+    RMSNorm(x) * weight (for a tensor h, h itself, overwritten)."""
+    if isinstance(h, Pending):
+        return h.add_norm_(x, weight, eps)
+    OPS.fused_add_rms_norm_(h, x, weight, eps)
+    return h
 
 
 @dataclass
@@ -109,18 +141,20 @@ class DecoderLayer:
                    gate_up=w("mlp.gate_proj.weight", "mlp.up_proj.weight"),
                    down=w("mlp.down_proj.weight"), **attention)
 
-    def __call__(self, x: torch.Tensor, h: Optional[torch.Tensor], k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, t: Tokens) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, h, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 t: Tokens):
         """The layer on the residual stream ``x`` [T, H] (updated in place: ``x += h``, then
         ``+= attention output``); ``h``: the previous layer's MLP output not yet added into x
-        (None for the first layer, reused as a buffer). Returns this layer's MLP output."""
+        (None for the first layer; a tensor is reused as a buffer; a ``Pending`` for a DFlash 2
+        layer's). Returns this layer's MLP output (a ``Pending`` for a DFlash 2 layer):
+        ``add_norm_`` adds it."""
         cfg = t.cfg
         eps = cfg.rms_norm_eps
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         if h is None:
             h = OPS.rms_norm(x, self.in_ln, eps)
         else:  # x += h; h = norm(x)
-            OPS.fused_add_rms_norm_(h, x, self.in_ln, eps)
+            h = add_norm_(h, x, self.in_ln, eps)
         if self.attn_conv is not None:
             h, attn_dyn = self.attn_conv.prepare(h, t.conv_block)
         qkv = linear(h, self.qkv, self.qkv_b)
@@ -137,11 +171,12 @@ class DecoderLayer:
         attn = OPS.block_attention(q, k_cache, v_cache, t.table, t.seq_lens, t.qsl, d ** -0.5,
                                    self.causal, self.window, self.sinks)
         o = linear(attn.view(-1, hq * d), self.o, self.o_b)
-        if self.attn_conv is not None:
-            o = self.attn_conv.finish(o, attn_dyn, t.conv_block)
-        OPS.fused_add_rms_norm_(o, x, self.post_ln, eps)  # x += o; o = norm(x)
+        if self.attn_conv is not None:  # x += conv(o); o = norm(x)
+            o = self.attn_conv.finish_add_norm(o, attn_dyn, t.conv_block, x, self.post_ln, eps)
+        else:
+            OPS.fused_add_rms_norm_(o, x, self.post_ln, eps)  # x += o; o = norm(x)
         if self.mlp_conv is None:
             return linear(OPS.silu_mul(linear(o, self.gate_up)), self.down)  # silu(gate) * up
         o, mlp_dyn = self.mlp_conv.prepare(o, t.conv_block)
         out = linear(OPS.silu_mul(linear(o, self.gate_up)), self.down)
-        return self.mlp_conv.finish(out, mlp_dyn, t.conv_block)
+        return Pending(out, mlp_dyn, self.mlp_conv, t.conv_block)

@@ -66,6 +66,32 @@ def merged_leading_dims(t: torch.Tensor) -> tuple:
     return sizes, strides
 
 
+def _span(t: torch.Tensor) -> tuple:
+    """[first, last) byte addresses t's elements occupy."""
+    if t.numel() == 0:
+        return 0, 0
+    last = sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
+    start = t.data_ptr() - sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()) if st < 0)
+    return start, start + (last + 1) * t.element_size()
+
+
+def no_overlap(op: str, name: str, t: torch.Tensor, other_name: str, other: torch.Tensor):
+    """t (written) and other must not share memory (address ranges, same device; tensors
+    without storage, fake or meta, are not checked)."""
+    if t.device != other.device or t.device.type == "meta":
+        return
+    try:
+        if not t.data_ptr() or not other.data_ptr():
+            return
+    except RuntimeError:  # no storage (a fake tensor under tracing)
+        return
+    a0, a1 = _span(t)
+    b0, b1 = _span(other)
+    if a0 < b1 and b0 < a1:
+        fail(op, f"{name} must not overlap {other_name} (a kernel writes {name} while it reads "
+                 f"{other_name})")
+
+
 def same_dtype(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor):
     if t.dtype != ref.dtype:
         fail(op, f"{name} must have the dtype of {ref_name} ({str(ref.dtype).replace('torch.', '')}),"
