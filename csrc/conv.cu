@@ -32,6 +32,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 
@@ -187,6 +188,86 @@ __global__ void __launch_bounds__(kNormThreads) conv_add_rms_norm_kernel(const C
   }
 }
 
+// The same with the row in registers: blockDim.x threads (a multiple of 32, at most 1024) own
+// NV vectors each (vector i of a thread: threadIdx.x + i * blockDim.x), so the residual row is
+// loaded once and the output needs no second pass over memory (the weight's loads issue before
+// the reduction). One load round trip, one block reduction, one store: at the drafter's T 8-64
+// rows the loop kernel above waits on a chain of them (three 2048-channel passes, then the
+// residual again).
+__device__ __forceinline__ float block_sum_any(float v, float* smem) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  float s = 0.0f;
+  for (int i = 0; i < warps; ++i) s += smem[i];
+  return s;
+}
+
+template <class E, int VEC, bool ONE_GROUP, int NV>
+__global__ void __launch_bounds__(1024) conv_add_rms_norm_reg_kernel(const ConvNormParams q) {
+  using Bits = typename E::Bits;
+  using P = Pack<Bits, VEC>;
+  __shared__ float smem[32];
+  const ConvParams& p = q.c;
+  const int64_t t = blockIdx.x;
+  const int pos = static_cast<int>(t % p.block);
+  const int taps = pos + 1 < p.k ? pos + 1 : p.k;
+  const Bits* xb = static_cast<const Bits*>(p.x);
+  const Bits* db = static_cast<const Bits*>(p.dyn);
+  const Bits* bb = static_cast<const Bits*>(p.base);
+  const Bits* wb = static_cast<const Bits*>(q.w);
+  Bits* rb = static_cast<Bits*>(q.res) + t * q.sr;
+  P r[NV], wv[NV];
+  float ss = 0.0f;
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int64_t c = (int64_t(threadIdx.x) + int64_t(i) * blockDim.x) * VEC;
+    if (c >= p.h) continue;
+    r[i] = load_pack<P>(rb + c);
+    wv[i] = load_pack_ro<P>(wb + c);
+    float acc[VEC];
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) acc[v] = 0.0f;
+    for (int o = 0; o < taps; ++o) {
+      const P xv = load_pack_ro<P>(xb + (t - o) * p.sx + c);
+      const P bv = load_pack_ro<P>(bb + o * p.sb + c);
+      const Bits* drow = db + t * p.sd_t + o * p.sd_k;
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        const int g = ONE_GROUP ? static_cast<int>(c) / p.group
+                                : (static_cast<int>(c) + v) / p.group;
+        const float d = E::to_float(__ldg(drow + g));
+        const float w = __fadd_rn(E::to_float(bv.e[v]), d);
+        acc[v] = __fadd_rn(acc[v], __fmul_rn(w, E::to_float(xv.e[v])));
+      }
+    }
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) {
+      const float conv = E::to_float(E::from_float(acc[v]));  // c rounded to the dtype
+      r[i].e[v] = E::from_float(__fadd_rn(E::to_float(r[i].e[v]), conv));
+      const float rf = E::to_float(r[i].e[v]);
+      ss = __fmaf_rn(rf, rf, ss);
+    }
+    store_pack(rb + c, r[i]);
+  }
+  const float rstd = rsqrtf(block_sum_any(ss, smem) * q.inv_h + q.eps);
+  Bits* ob = static_cast<Bits*>(p.y) + t * q.so;
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int64_t c = (int64_t(threadIdx.x) + int64_t(i) * blockDim.x) * VEC;
+    if (c >= p.h) continue;
+    P out;
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) {
+      const float n = E::to_float(E::from_float(__fmul_rn(E::to_float(r[i].e[v]), rstd)));
+      out.e[v] = E::from_float(__fmul_rn(n, E::to_float(wv[i].e[v])));
+    }
+    store_pack(ob + c, out);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Host side.
 
@@ -228,6 +309,13 @@ void run(const ConvParams& p, cudaStream_t stream) {
   }
 }
 
+template <class E, int VEC, int NV>
+void launch_reg(bool one_group, dim3 grid, unsigned threads, cudaStream_t stream,
+                const ConvNormParams& q) {
+  if (one_group) conv_add_rms_norm_reg_kernel<E, VEC, true, NV><<<grid, threads, 0, stream>>>(q);
+  else conv_add_rms_norm_reg_kernel<E, VEC, false, NV><<<grid, threads, 0, stream>>>(q);
+}
+
 template <class E>
 void run_norm(const ConvNormParams& q, cudaStream_t stream) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(typename E::Bits));
@@ -237,7 +325,16 @@ void run_norm(const ConvNormParams& q, cudaStream_t stream) {
                    aligned16(p.y) &&
                    aligned16(q.res) && aligned16(q.w);
   const dim3 grid(static_cast<unsigned>(p.rows));
-  if (vec && p.group % kVec == 0) {
+  // the row in registers where it fits (<= 2 vectors a thread of 1024: 4 spilled under the
+  // 64-register cap of 1024-thread blocks), else the loop kernel
+  const int64_t vectors = vec ? (p.h + kVec - 1) / kVec : p.h;
+  const int64_t threads = std::min<int64_t>(1024, (vectors + 31) / 32 * 32);
+  const int64_t nv = (vectors + threads - 1) / threads;
+  if (vec && nv <= 2) {
+    const unsigned th = static_cast<unsigned>(threads);
+    if (nv == 1) launch_reg<E, kVec, 1>(p.group % kVec == 0, grid, th, stream, q);
+    else launch_reg<E, kVec, 2>(p.group % kVec == 0, grid, th, stream, q);
+  } else if (vec && p.group % kVec == 0) {
     conv_add_rms_norm_kernel<E, kVec, true><<<grid, kNormThreads, 0, stream>>>(q);
   } else if (vec) {
     conv_add_rms_norm_kernel<E, kVec, false><<<grid, kNormThreads, 0, stream>>>(q);

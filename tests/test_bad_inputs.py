@@ -144,18 +144,24 @@ def test_bad_input_raises_naming_argument(op, mutate, arg):
     _expect_error(op, kw, arg, op)
 
 
-def _to_cuda(v, device="cuda"):
+def _to_cuda(v, device="cuda", _moved=None):
     """kw with every CPU tensor (also inside lists) moved to ``device`` with its exact sizes,
     strides and storage offset (``.to()`` would make a strided view contiguous and lose the
-    case); meta tensors (the device mismatch cases) stay where they are."""
+    case), tensors that share a storage still sharing one (the overlap cases); meta tensors
+    (the device mismatch cases) stay where they are."""
+    moved = {} if _moved is None else _moved  # CPU storage address -> its device copy
     if isinstance(v, dict):
-        return {k: _to_cuda(x, device) for k, x in v.items()}
+        return {k: _to_cuda(x, device, moved) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return type(v)(_to_cuda(x, device) for x in v)
+        return type(v)(_to_cuda(x, device, moved) for x in v)
     if isinstance(v, torch.Tensor) and v.device.type == "cpu":
         store = v.untyped_storage()
-        flat = torch.empty(0, dtype=v.dtype).set_(store, 0, (store.nbytes() // v.element_size(),))
-        return flat.to(device).as_strided(v.size(), v.stride(), v.storage_offset())
+        key = (store.data_ptr(), v.dtype)
+        if key not in moved:
+            flat = torch.empty(0, dtype=v.dtype).set_(store, 0,
+                                                      (store.nbytes() // v.element_size(),))
+            moved[key] = flat.to(device)
+        return moved[key].as_strided(v.size(), v.stride(), v.storage_offset())
     return v
 
 

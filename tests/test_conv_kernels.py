@@ -9,7 +9,8 @@ counts, strided dynamic views (a half of the [T, 2, K, G] projection) and channe
 not a power of two; on the GPU in bf16 / fp16 / fp32. ``conv_add_rms_norm_``'s reference against
 the unfused ops (``grouped_dyn_conv_ref``, then ``fused_add_rms_norm_``'s reference), its kernels
 against the reference (the residual updated in place and the normed output, into a strided out
-view too), the drafter's real widths (H 4096 / 5120, T up to 4096) on the GPU.
+view too), the drafter's real widths (H 4096 / 5120, T up to 4096) on the GPU, and widths past the CUDA kernel's
+register-resident rows (H 36000 / 40960: the loop kernel).
 """
 from __future__ import annotations
 
@@ -137,7 +138,8 @@ def test_norm_reference_is_conv_then_add_norm(dtype):
 NORM_GRID = [g for g in GRID if g[0] * g[1] < 1000]
 NORM_GRID_GPU = GRID + [(1, 8, 5120, 2, 16, True, 0), (8, 8, 5120, 2, 16, True, 0),
                         (512, 8, 5120, 2, 16, True, 0), (256, 16, 4096, 2, 16, True, 0),
-                        (3, 4, 1000, 3, 8, False, 24)]
+                        (3, 4, 1000, 3, 8, False, 24), (2, 4, 40960, 2, 16, True, 0),
+                        (2, 4, 36000, 2, 8, False, 8)]
 
 
 def check_norm_backend(device, dtypes, backend="triton", grid=NORM_GRID):
@@ -173,6 +175,9 @@ import torch
 import tests.test_conv_kernels as t
 t.check_backend("cpu", (torch.float32, torch.float16))
 t.check_norm_backend("cpu", (torch.float32, torch.float16))
+import dflash_ops.triton.conv as tc
+tc.MAX_ONE_CHUNK = 16  # the chunk loop (rows wider than one chunk) on the same grid
+t.check_norm_backend("cpu", (torch.float32,))
 print("interp-ok")
 """
 

@@ -86,11 +86,13 @@ def _conv_norm(res: Results, ts, timing) -> None:
         sets = rotating(make, moved)
         x, r, dyn, base = sets[0]
         fl = floor_us(res.floors, moved)
-        want = conv_add_rms_norm_ref(x, r.clone(), dyn, base, GS, BLOCK, w, 1e-6).float()
+        want = torch.empty_like(x)
+        conv_add_rms_norm_ref(x, r.clone(), dyn, base, GS, BLOCK, w, 1e-6, out=want)
+        want = want.float()
         for backend in ("triton", "cuda"):
-            if not dispatch.has_backend("conv_add_rms_norm", backend):
+            if not dispatch.has_backend("conv_add_rms_norm_", backend):
                 continue
-            with dispatch.use_backend(backend, ops=("conv_add_rms_norm",)):
+            with dispatch.use_backend(backend, ops=("conv_add_rms_norm_",)):
                 got = conv_add_rms_norm(x, r.clone(), dyn, base, GS, BLOCK, w, 1e-6).float()
                 res.add_time(table, str(t), f"ours ({backend})", time_fn(
                     lambda x, r, d, b: conv_add_rms_norm(x, r, d, b, GS, BLOCK, w, 1e-6),

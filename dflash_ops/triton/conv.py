@@ -97,43 +97,64 @@ dispatch.register_backend("grouped_dyn_conv", "triton", grouped_dyn_conv)
 
 
 # ---------------------------------------------------------------------------- conv_add_rms_norm_
-# One program a row t: for each BLOCK-wide chunk of channels, the convolution of x's rows t - o
-# (as above, fp32, rounded to x's dtype), added into the residual row (rounded, stored) and its
-# squares summed; then the chunks again (the residual row back from L1/L2) for the normed
-# output, RMSNorm's numerics (fp32 rstd, cast, times the weight in the dtype). The dynamic
-# taps are gathered per channel (c // group_size): at the drafter's few rows a row's taps are
-# 2 * K * G values, L1-resident.
+# One program a row t. A BLOCK-wide chunk of channels: the convolution of x's rows t - o (as
+# above, fp32, rounded to x's dtype), added into the residual row (rounded, stored), its squares
+# summed. Rows up to MAX_ONE_CHUNK channels are one chunk held in registers (the output then
+# needs no second pass); wider rows loop over chunks, then over the chunks again (the residual
+# row back from L1/L2) for the output. RMSNorm's numerics (fp32 rstd, cast, times the weight
+# in the dtype). The dynamic taps are gathered per channel (c // group_size): at the drafter's
+# few rows a row's taps are 2 * K * G values, L1-resident.
+MAX_ONE_CHUNK = 8192
+
+
+@triton.jit
+def _conv_add_chunk(x_ptr, d_ptr, b_ptr, r_ptr, t, pos, c, H, GS, sx, sd_t, sd_k, sb, sr,
+                    K: tl.constexpr):
+    """The residual chunk c of row t after the add (stored), in the dtype."""
+    dt = x_ptr.dtype.element_ty
+    in_c = c < H
+    acc = tl.zeros(c.shape, dtype=tl.float32)
+    for o in tl.static_range(K):
+        m = in_c & (pos >= o)
+        xv = tl.load(x_ptr + (t - o) * sx + c, mask=m, other=0.0)
+        bv = tl.load(b_ptr + o * sb + c, mask=in_c, other=0.0)
+        dv = tl.load(d_ptr + t * sd_t + o * sd_k + c // GS, mask=m, other=0.0)
+        acc += (bv.to(tl.float32) + dv.to(tl.float32)) * xv.to(tl.float32)
+    rv = tl.load(r_ptr + t * sr + c, mask=in_c, other=0.0)
+    rv = (rv.to(tl.float32) + acc.to(dt).to(tl.float32)).to(dt)
+    tl.store(r_ptr + t * sr + c, rv, mask=in_c)
+    return rv
+
+
 @triton.jit
 def _conv_add_norm_kernel(x_ptr, d_ptr, b_ptr, r_ptr, w_ptr, out_ptr, H, B, GS, sx, sd_t, sd_k,
-                          sb, sr, so, eps, K: tl.constexpr, BLOCK: tl.constexpr):
+                          sb, sr, so, eps, K: tl.constexpr, BLOCK: tl.constexpr,
+                          ONE_CHUNK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     # the row's position in its block, broadcast (the interpreter cannot AND a scalar bool
     # with a block)
     pos = tl.zeros((BLOCK,), dtype=tl.int64) + t % B
     dt = x_ptr.dtype.element_ty
-    sq = tl.zeros((BLOCK,), dtype=tl.float32)
-    for c0 in range(0, H, BLOCK):
-        c = c0 + tl.arange(0, BLOCK)
-        in_c = c < H
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for o in tl.static_range(K):
-            m = in_c & (pos >= o)
-            xv = tl.load(x_ptr + (t - o) * sx + c, mask=m, other=0.0)
-            bv = tl.load(b_ptr + o * sb + c, mask=in_c, other=0.0)
-            dv = tl.load(d_ptr + t * sd_t + o * sd_k + c // GS, mask=m, other=0.0)
-            acc += (bv.to(tl.float32) + dv.to(tl.float32)) * xv.to(tl.float32)
-        rv = tl.load(r_ptr + t * sr + c, mask=in_c, other=0.0)
-        rv = (rv.to(tl.float32) + acc.to(dt).to(tl.float32)).to(dt)
-        tl.store(r_ptr + t * sr + c, rv, mask=in_c)
-        rf = rv.to(tl.float32)
-        sq += rf * rf
-    rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / H + eps)
-    for c0 in range(0, H, BLOCK):
-        c = c0 + tl.arange(0, BLOCK)
-        in_c = c < H
-        rv = tl.load(r_ptr + t * sr + c, mask=in_c, other=0.0)
-        wv = tl.load(w_ptr + c, mask=in_c, other=0.0)
-        tl.store(out_ptr + t * so + c, (rv.to(tl.float32) * rstd).to(dt) * wv, mask=in_c)
+    if ONE_CHUNK:
+        c = tl.arange(0, BLOCK)
+        wv = tl.load(w_ptr + c, mask=c < H, other=0.0)
+        rf = _conv_add_chunk(x_ptr, d_ptr, b_ptr, r_ptr, t, pos, c, H, GS, sx, sd_t, sd_k, sb,
+                             sr, K).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(rf * rf, axis=0) / H + eps)
+        tl.store(out_ptr + t * so + c, (rf * rstd).to(dt) * wv, mask=c < H)
+    else:
+        sq = tl.zeros((BLOCK,), dtype=tl.float32)
+        for c0 in range(0, H, BLOCK):
+            rf = _conv_add_chunk(x_ptr, d_ptr, b_ptr, r_ptr, t, pos, c0 + tl.arange(0, BLOCK), H,
+                                 GS, sx, sd_t, sd_k, sb, sr, K).to(tl.float32)
+            sq += rf * rf
+        rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / H + eps)
+        for c0 in range(0, H, BLOCK):
+            c = c0 + tl.arange(0, BLOCK)
+            in_c = c < H
+            rv = tl.load(r_ptr + t * sr + c, mask=in_c, other=0.0)
+            wv = tl.load(w_ptr + c, mask=in_c, other=0.0)
+            tl.store(out_ptr + t * so + c, (rv.to(tl.float32) * rstd).to(dt) * wv, mask=in_c)
 
 
 def conv_add_rms_norm_(x, residual, dynamic, base, group_size: int, block_size: int, weight,
@@ -141,11 +162,13 @@ def conv_add_rms_norm_(x, residual, dynamic, base, group_size: int, block_size: 
     t, h = x.shape
     if t == 0 or h == 0:
         return
-    block = min(2048, triton.next_power_of_2(h))
+    one = h <= MAX_ONE_CHUNK
+    block = triton.next_power_of_2(h) if one else 2048
     _conv_add_norm_kernel[(t,)](x, dynamic, base, residual, weight, out, h, block_size,
                                 group_size, x.stride(0), dynamic.stride(0), dynamic.stride(1),
                                 base.stride(0), residual.stride(0), out.stride(0), eps,
-                                K=base.shape[0], BLOCK=block, num_warps=8 if block >= 1024 else 4)
+                                K=base.shape[0], BLOCK=block, ONE_CHUNK=one,
+                                num_warps=16 if block >= 4096 else 8 if block >= 1024 else 4)
 
 
 dispatch.register_backend("conv_add_rms_norm_", "triton", conv_add_rms_norm_)
