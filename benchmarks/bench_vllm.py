@@ -17,9 +17,10 @@ comes from CUDA events around ``precompute_and_store_context_kv`` (it runs eager
       [--context 1024,8192] [--new 64]
   python benchmarks/bench_vllm.py table R.jsonl [--md OUT.md] [--parts]
   (run --profile P: the kernels of P more decode tokens under torch.profiler, minus a 1-token
-  run's, per iteration; table --parts sums them by part and subtracts plain's; runs of the
-  same variant and shape appended by repeated processes are merged: medians, and a table of
-  their spread with a verdict on plugin / custom vs stock)
+  run's, per iteration; table --parts sums them by part and subtracts plain's, splits the
+  attention by owner (target verify, stock draft, ours) and the precompute's replaced kernels
+  (stock vs plugin); runs of the same variant and shape appended by repeated processes are
+  merged: medians, and a table of their spread with a verdict on plugin / custom vs stock)
 """
 from __future__ import annotations
 
@@ -121,6 +122,31 @@ def attention_split(by: dict, b: int, s: int) -> Optional[dict]:
     return {"target verify (TRITON_ATTN)": tgt, "target decode (plain)": ta(plain),
             "draft, stock (TRITON_ATTN)": stock, "draft, ours (CUSTOM)": ours,
             "stock / ours": stock / ours if ours else None}
+
+
+def precompute_split(by: dict, b: int, s: int) -> Optional[dict]:
+    """The context precompute's kernels that the plugin replaces, stock vs plugin (us an
+    iteration), from one profile of each: the non-GEMM kernels found in one profile and not
+    the other (stock: vLLM's rms_norm, rotary, copies; plugin: dflash_ops' context_kv_
+    kernels), plus the difference in ``reshape_and_cache`` (the drafter's cache writes share
+    that kernel with the target's). The GEMM is left out: both sides run the same cuBLAS call
+    (a one-off GEMM name in one profile is cuBLAS choosing another algorithm, not a replaced
+    part). None without both profiles."""
+    st = (by.get(("stock", b, s)) or {}).get("kernels_us_per_iter")
+    pl = (by.get(("plugin", b, s)) or {}).get("kernels_us_per_iter")
+    if not st or not pl:
+        return None
+
+    def only(a, other):
+        return sum(v for k, v in a.items() if k not in other and part_of(k) != "gemm")
+
+    def cache(a):
+        return sum(v for k, v in a.items() if "reshape_and_cache" in k)
+
+    d = cache(st) - cache(pl)
+    stock, plugin = only(st, pl) + max(d, 0.0), only(pl, st) + max(-d, 0.0)
+    return {"stock": stock, "plugin": plugin,
+            "removed": 1 - plugin / stock if stock > 0 else None}
 
 
 def _kernel_us(prof) -> dict:
@@ -312,6 +338,17 @@ def table(args) -> int:
                 lines.append(f"| {b} x {s} | " + " | ".join(
                     "-" if v[c] is None else (f"{v[c]:.2f}x" if c == "stock / ours"
                                               else f"{v[c]:.1f}") for c in cols) + " |")
+    if args.parts:
+        pre = {(b, s): precompute_split(by, b, s) for b, s in keys}
+        pre = {k: v for k, v in pre.items() if v}
+        if pre:
+            lines += ["", "the precompute's replaced kernels, us an iteration (non-GEMM kernels "
+                      "in one profile only, plus the drafter's share of reshape_and_cache; the "
+                      "GEMM, the same cuBLAS call on both sides, left out)", "",
+                      "| B x S | stock | plugin | removed |", "|---|---|---|---|"]
+            for (b, s), v in pre.items():
+                rem = "-" if v["removed"] is None else f"{100 * v['removed']:.0f}%"
+                lines.append(f"| {b} x {s} | {v['stock']:.1f} | {v['plugin']:.1f} | {rem} |")
     text = "\n".join(lines)
     print(text)
     if args.md:

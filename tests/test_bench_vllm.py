@@ -132,3 +132,25 @@ def test_table_takes_the_median_of_repeated_runs_and_judges_the_spread(tmp_path)
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_vllm.py"), "table",
                           str(res)], capture_output=True, text=True)
     assert out.returncode != 0 and "mixes runs of (new, dtype)" in out.stderr, out.stderr
+
+
+def test_table_splits_the_precompute_kernels_the_plugin_replaces(tmp_path):
+    """Stock's replaced kernels: the non-GEMM kernels only its profile has (vLLM's rms_norm,
+    rotary, copies) plus the drafter's share of reshape_and_cache (shared with the target);
+    the plugin's: those only its profile has (context_kv_'s). A GEMM in one profile only
+    (cuBLAS picking another algorithm) and the kernels both run are not counted."""
+    common = {"kernel_unified_attention_2d": 900.0, "nvjet_tst_128x16": 1500.0,
+              "triton_red_fused_add_rms_norm_0": 20.0}
+    st = dict(common, **{"void vllm::rms_norm_kernel<bf16, 8, 2, true>(x)": 2.0,
+                         "void vllm::rotary_embedding_kernel<bf16>(y)": 2.0,
+                         "void at::native::elementwise_kernel<128, 4>(copy)": 3.0,
+                         "reshape_and_cache_kernel_flash": 22.0,
+                         "nvjet_tst_256x160_coopA": 18.0})
+    pl = dict(common, **{"void dflash_ops::(anonymous namespace)::rms_norm_block_kernel<8>(a)":
+                         1.5, "void dflash_ops::(anonymous namespace)::context_kv_kernel<b>(c)":
+                         2.5, "reshape_and_cache_kernel_flash": 16.0})
+    rows = [dict(variant=v, batch=8, context=1024, ms_per_iter=3.0, kernels_us_per_iter=k)
+            for v, k in (("stock", st), ("plugin", pl))]
+    lines = _table(rows, tmp_path, "--parts")
+    # stock: 2 + 2 + 3 + (22 - 16) = 13; plugin: 1.5 + 2.5 = 4; removed 1 - 4 / 13 = 69%
+    assert "| 8 x 1024 | 13.0 | 4.0 | 69% |" in lines, lines
