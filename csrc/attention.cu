@@ -50,10 +50,13 @@ using namespace detail;     // common.cuh, checks.h
 // Host side: argument checks (checks.h), then the launch.
 
 // The checks of dflash_ops/ops/attention.py in its order, then the C++ limits.
+constexpr int64_t kMaxAbsoluteSplits = 65535;  // split_keys: the grid's second dimension
+
 void check_attn(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
                 const at::Tensor& v_cache, const at::Tensor& block_table,
                 const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                const std::optional<at::Tensor>& sinks, const at::Tensor* out) {
+                const std::optional<at::Tensor>& sinks, int64_t split_keys,
+                const at::Tensor* out) {
   // q: [Tq, Hq, D] bf16/fp16/fp32 on CUDA, unit stride in D, D a supported head_dim
   check_rank(op, "q", q, 3);
   check_float(op, "q", q);
@@ -96,6 +99,15 @@ void check_attn(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
     check_dtype(op, "sinks", *sinks, at::kFloat);
     check_device(op, "sinks", *sinks, device);
     check_shape(op, "sinks", *sinks, {hq});
+  }
+  TORCH_CHECK_VALUE(split_keys >= 0 && split_keys % 64 == 0, "dflash.", op,
+                    ": split_keys must be 0 or a positive multiple of 64, got ", split_keys);
+  if (split_keys > 0) {
+    const int64_t keys = block_table.size(1) * k_cache.size(1);
+    const int64_t n = (keys + split_keys - 1) / split_keys;
+    TORCH_CHECK_VALUE(n <= kMaxAbsoluteSplits, "dflash.", op, ": split_keys = ", split_keys,
+                      " splits max_blocks * block_size = ", keys, " keys ", n,
+                      " ways (at most ", kMaxAbsoluteSplits, ")");
   }
   if (out != nullptr) {
     check_device(op, "out", *out, device);
@@ -193,7 +205,7 @@ void launch_dtype(const AttnParams& p, int64_t d, cudaStream_t stream) {
 void run(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_table, const at::Tensor& seq_lens,
          const at::Tensor& query_start_loc, double scale, bool causal, int64_t window,
-         const std::optional<at::Tensor>& sinks, at::Tensor& out) {
+         const std::optional<at::Tensor>& sinks, int64_t split_keys, at::Tensor& out) {
   const int64_t tq = q_in.size(0), hq = q_in.size(1), d = q_in.size(2);
   const int64_t nb = k_cache.size(0), bs = k_cache.size(1), hkv = k_cache.size(2);
   const int64_t batch = block_table.size(0), mb = block_table.size(1);
@@ -210,8 +222,13 @@ void run(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_
   at::Tensor o = out_direct ? out : at::empty(q_in.sizes(), q_in.options());
 
   const int64_t rows = tq * hq;
+  // split_keys: one split per split_keys absolute keys of the table's width (checked <= 65535);
+  // the partial buffer then has no cap: the caller chose it
   const int splits =
-      choose_splits(batch * hkv, mb * bs, rows, d, sm_count(static_cast<int>(q.get_device())));
+      split_keys > 0
+          ? static_cast<int>((mb * bs + split_keys - 1) / split_keys)
+          : choose_splits(batch * hkv, mb * bs, rows, d,
+                          sm_count(static_cast<int>(q.get_device())));
   at::Tensor part, lse;
   if (splits > 1) {
     const auto f32 = q.options().dtype(at::kFloat);
@@ -254,6 +271,7 @@ void run(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_
   p.g = static_cast<int>(hq / hkv);
   p.batch = static_cast<int>(batch);
   p.splits = splits;
+  p.split_keys = split_keys;
   p.rows = static_cast<int>(rows);
   p.div_bs = make_fast_div(bs);
   p.scale2 = static_cast<float>(scale * 1.4426950408889634);
@@ -275,12 +293,12 @@ at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_table,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                            double scale, bool causal, int64_t window,
-                           const std::optional<at::Tensor>& sinks) {
+                           const std::optional<at::Tensor>& sinks, int64_t split_keys) {
   check_attn("block_attention", q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
-             scale, sinks, nullptr);
+             scale, sinks, split_keys, nullptr);
   at::Tensor out = at::empty(q.sizes(), q.options());
   run(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, causal, window, sinks,
-      out);
+      split_keys, out);
   return out;
 }
 
@@ -288,11 +306,12 @@ void block_attention_out_(const at::Tensor& q, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const at::Tensor& block_table,
                           const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                           double scale, bool causal, int64_t window,
-                          const std::optional<at::Tensor>& sinks, at::Tensor& out) {
+                          const std::optional<at::Tensor>& sinks, int64_t split_keys,
+                          at::Tensor& out) {
   check_attn("block_attention_out_", q, k_cache, v_cache, block_table, seq_lens,
-             query_start_loc, scale, sinks, &out);
+             query_start_loc, scale, sinks, split_keys, &out);
   run(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, causal, window, sinks,
-      out);
+      split_keys, out);
 }
 
 }  // namespace dflash_ops

@@ -44,6 +44,7 @@ struct AttnParams {
   int64_t max_keys;  // M * block_size
   int64_t window;    // <= 0: none; else clamped to <= 2^33 (wider is the same as none)
   int tq, hq, hkv, g, batch, splits;
+  int64_t split_keys;  // > 0: split s is keys [s * split_keys, (s + 1) * split_keys), absolute
   int rows;  // Tq * Hq < 2^31
   FastDiv div_bs;  // block_size < 2^31
   float scale2;    // scale * log2(e)
@@ -271,7 +272,8 @@ __device__ __forceinline__ void row_place(const AttnParams& p, const ReqInfo& rq
   flat = t * p.hq + h;
 }
 
-// The tile [i0, i1)'s share of keys for split blockIdx.y: [start, end), BN-aligned from lo;
+// The tile [i0, i1)'s share of keys for split blockIdx.y: [start, end), BN-aligned from lo (with
+// split_keys: the split's absolute keys, BN-aligned from 0);
 // returns the number of BN-key steps (start and end are meaningful only when it is > 0).
 __device__ __forceinline__ int tile_keys(const AttnParams& p, const ReqInfo& rq, int i0, int i1,
                                          int bn, int& start, int& end) {
@@ -279,11 +281,18 @@ __device__ __forceinline__ int tile_keys(const AttnParams& p, const ReqInfo& rq,
   visible_keys(p, rq.seq, rq.pos0 + i0 / p.g, lo, hi);
   visible_keys(p, rq.seq, rq.pos0 + (i1 - 1) / p.g, lo_last, hi_last);
   // lo and hi rise with the position: the first row has the lowest lo, the last the highest hi
-  const int64_t span = max(hi_last - lo, int64_t{0});
-  const int64_t per = (span + p.splits - 1) / p.splits;
-  const int64_t chunk = (per + bn - 1) / bn * bn;
-  const int64_t s0 = lo + static_cast<int64_t>(blockIdx.y) * chunk;
-  const int64_t e0 = min(hi_last, s0 + chunk);
+  int64_t s0, e0;
+  if (p.split_keys > 0) {  // absolute splits, tiles at absolute multiples of bn: batch-invariant
+    const int64_t a = static_cast<int64_t>(blockIdx.y) * p.split_keys;
+    s0 = max(a, lo / bn * bn);  // lo >= 0; a tile before a row's first key is masked for it
+    e0 = min(hi_last, a + p.split_keys);
+  } else {
+    const int64_t span = max(hi_last - lo, int64_t{0});
+    const int64_t per = (span + p.splits - 1) / p.splits;
+    const int64_t chunk = (per + bn - 1) / bn * bn;
+    s0 = lo + static_cast<int64_t>(blockIdx.y) * chunk;
+    e0 = min(hi_last, s0 + chunk);
+  }
   if (s0 >= e0) return 0;
   start = static_cast<int>(s0);  // 0 <= start < end <= seq_len < 2^31
   end = static_cast<int>(e0);

@@ -102,7 +102,7 @@ void context_kv_(const at::Tensor& x, const at::Tensor& w_kv,
 
 // block_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens,
 //                 Tensor query_start_loc, float scale, bool causal=False, int window=-1,
-//                 Tensor? sinks=None) -> Tensor
+//                 Tensor? sinks=None, int split_keys=0) -> Tensor
 //   Attention of each request's block of query tokens over its paged K/V.
 //   q: [Tq, Hq, D] bf16/fp16/fp32, any strides with unit stride in D, D in {16, 32, 64, 128,
 //   256}; k_cache, v_cache: [num_blocks, block_size, Hkv, D] of q's dtype, any strides with unit
@@ -120,23 +120,28 @@ void context_kv_(const at::Tensor& x, const at::Tensor& w_kv,
 //   accumulation; bf16/fp16 run on tensor cores with the probabilities rounded to q's dtype for
 //   the P V product. The key range may be split over CTAs (the split count depends on shapes
 //   only, so a CUDA graph replays for any lengths); the fp32 partial results and their merge
-//   then take a [splits, Tq * Hq, D + 1] fp32 buffer from the caching allocator.
+//   then take a [splits, Tq * Hq, D + 1] fp32 buffer from the caching allocator. split_keys > 0
+//   (a multiple of 64): split s is the absolute keys [s * split_keys, (s + 1) * split_keys),
+//   ceil(M * block_size / split_keys) splits (at most 65535), tiles at absolute key multiples,
+//   merged in split order: a row's result does not depend on the rest of the call.
 at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_table,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                            double scale, bool causal, int64_t window,
-                           const std::optional<at::Tensor>& sinks);
+                           const std::optional<at::Tensor>& sinks, int64_t split_keys);
 
 // block_attention_out_(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table,
 //                      Tensor seq_lens, Tensor query_start_loc, float scale, bool causal=False,
-//                      int window=-1, Tensor? sinks=None, *, Tensor(a!) out) -> ()
+//                      int window=-1, Tensor? sinks=None, int split_keys=0, *,
+//                      Tensor(a!) out) -> ()
 //   block_attention written into out: [Tq, Hq, D] of q's dtype, any strides with unit stride
 //   in D (rows not on 16-byte boundaries go through a contiguous copy).
 void block_attention_out_(const at::Tensor& q, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const at::Tensor& block_table,
                           const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                           double scale, bool causal, int64_t window,
-                          const std::optional<at::Tensor>& sinks, at::Tensor& out);
+                          const std::optional<at::Tensor>& sinks, int64_t split_keys,
+                          at::Tensor& out);
 
 // grouped_dyn_conv(Tensor x, Tensor dynamic, Tensor base, int group_size, int block_size)
 //   -> Tensor

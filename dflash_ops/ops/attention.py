@@ -9,7 +9,13 @@ in block ``block_table[b, j // block_size]``, row ``j % block_size``.
 * ``window > 0``: only keys with ``pos - j < window`` (causal) or ``|pos - j| < window``
   (non-causal); ``window <= 0``: no window;
 * ``sinks[Hq]`` (fp32): a per-head logit added to the softmax denominator only;
-* GQA: query head h reads KV head ``h // (Hq // Hkv)``.
+* GQA: query head h reads KV head ``h // (Hq // Hkv)``;
+* ``split_keys`` (a multiple of 64; 0: the kernels choose the split from the shapes): the keys
+  are split for parallelism at absolute positions that are multiples of it, the partial results
+  merged in split order, so a query row's result is bit-identical whatever else shares the call
+  (other requests, the other queries of its block, 1 query or 16) for the same ``block_table``
+  width: the batch-invariant attention of exact mode. It launches ceil(max_blocks * block_size /
+  split_keys) splits (at most 65535) and is ignored by the torch reference.
 
 Device values are bounds-checked: a block id outside ``[0, num_blocks)`` hides its keys,
 ``seq_lens`` is clamped to ``max_blocks * block_size``, a query that sees no key gets zeros, and
@@ -34,8 +40,11 @@ __all__ = ["block_attention"]
 _OP = "block_attention"
 
 
+MAX_SPLITS = 65535  # split_keys: the grid's second dimension
+
+
 def _check_attn(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale,
-                causal=False, window=-1, sinks=None, out=None, op=_OP):
+                causal=False, window=-1, sinks=None, split_keys=0, out=None, op=_OP):
     C.tensor(op, "q", q, rank=3, dtype=C.FLOAT_DTYPES, last_contiguous=True)
     tq, hq, d = q.shape
     C.head_dim(op, "q", d, HEAD_DIMS)
@@ -67,6 +76,12 @@ def _check_attn(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, sca
     if sinks is not None:
         C.tensor(op, "sinks", sinks, shape=(hq,), dtype=torch.float32, device=dev,
                  contiguous=True)
+    if not isinstance(split_keys, int) or split_keys < 0 or split_keys % 64:
+        C.fail(op, f"split_keys must be 0 or a positive multiple of 64, got {split_keys}")
+    keys = block_table.shape[1] * k_cache.shape[1]
+    if split_keys and -(-keys // split_keys) > MAX_SPLITS:
+        C.fail(op, f"split_keys = {split_keys} splits max_blocks * block_size = {keys} keys "
+                   f"{-(-keys // split_keys)} ways (at most {MAX_SPLITS})")
     if out is not None:
         C.tensor(op, "out", out, shape=tuple(q.shape), device=dev, last_contiguous=True)
         C.same_dtype(op, "out", out, "q", q)
@@ -93,7 +108,7 @@ def _debug_attn(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, *re
 
 
 def block_attention_ref(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale,
-                        causal=False, window=-1, sinks=None):
+                        causal=False, window=-1, sinks=None, split_keys=0):
     tq, hq, d = q.shape
     nb, bs, hkv, _ = k_cache.shape
     b, m = block_table.shape
@@ -144,7 +159,7 @@ def block_attention_ref(q, k_cache, v_cache, block_table, seq_lens, query_start_
 
 
 def _ref_out(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, causal=False,
-             window=-1, sinks=None, *, out):
+             window=-1, sinks=None, split_keys=0, *, out):
     # The dispatcher drops trailing arguments equal to their schema default: keep defaults here.
     out.copy_(block_attention_ref(q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
                                   scale, causal, window, sinks))
@@ -152,7 +167,7 @@ def _ref_out(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale,
 
 _ARGS = ("Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
          "Tensor query_start_loc, float scale, bool causal=False, int window=-1, "
-         "Tensor? sinks=None")
+         "Tensor? sinks=None, int split_keys=0")
 
 # Default cuda: 1.5-1.8x faster than the Triton kernel at every benchmarked shape (Hq 32, Hkv 8,
 # D 128, 16 queries a request, bf16, graph replay): B x S 1 x 1024 14.7 vs 25.8 us, 1 x 131072
@@ -173,15 +188,15 @@ dispatch.define_op(
 
 def block_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale,
                     causal: bool = False, window: int = -1, sinks: Optional[torch.Tensor] = None,
-                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    out: Optional[torch.Tensor] = None, split_keys: int = 0) -> torch.Tensor:
     """Attention of each request's query block over its paged K/V; writes ``out`` if given."""
     if out is None:
         return torch.ops.dflash.block_attention.default(
             q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, causal, window,
-            sinks)
+            sinks, split_keys)
     torch.ops.dflash.block_attention_out_.default(
         q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, causal, window,
-        sinks, out=out)
+        sinks, split_keys, out=out)
     return out
 
 
@@ -206,6 +221,7 @@ def samples(device, dtype) -> dict:
     return {
         _OP: {"causal-sinks": attn(True, -1, True, 21, shuffled=False),
               "noncausal": attn(False, -1, False, 22),
+              "causal-split-keys-64": dict(attn(True, -1, False, 27), split_keys=64),
               "causal-window-sinks": attn(True, 3, True, 23),
               "gqa4-noncausal-window": attn(False, 2, False, 24, hq=8)},
         "block_attention_out_": {
@@ -256,6 +272,8 @@ def bad_samples() -> dict:
         ("sinks-shape", set_(sinks=torch.randn(2)), "sinks"),
         ("sinks-bf16", to("sinks", dtype=BF16), "sinks"),
         ("sinks-meta", to("sinks", device=META), "sinks"),
+        ("split_keys-negative", set_(split_keys=-64), "split_keys"),
+        ("split_keys-not-multiple-of-64", set_(split_keys=96), "split_keys"),
     ]
     return {_OP: attn, "block_attention_out_": attn + [
         ("out-shape", set_(out=torch.zeros(8, 4, 32)), "out"),

@@ -11,7 +11,12 @@ The key range [lo, hi) of a query chunk comes from the device values: [0, seq_le
 the s-th of SPLITS equal BLOCK_N-aligned pieces of it (empty pieces exit after marking their
 partial results empty). SPLITS is chosen on the host from the SM count, B * Hkv and the cache
 shape (max_blocks * block_size), never from seq_lens, so one launch replays in a CUDA graph for
-any lengths.
+any lengths. With ``split_keys`` > 0 split s takes the absolute keys [s * split_keys,
+(s + 1) * split_keys) of the range instead, its tiles at absolute multiples of BLOCK_N (the
+first one may start before the range: its keys are masked), and SPLITS = ceil(max_blocks *
+block_size / split_keys): a row then meets the same keys in the same tiles and splits whatever
+query chunk it is in (a fully masked tile leaves its sums exactly as they were), so its result
+does not depend on the rest of the call.
 
 SPLITS == 1: the program normalises and writes ``out``. Else it writes its normalised partial
 output (fp32) and log-sum-exp per row, and a combine kernel (one program per (request, KV
@@ -77,7 +82,7 @@ def _query_rows(qsl_ptr, b, Tq):
 
 @triton.jit
 def _attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, qsl_ptr, sink_ptr, out_ptr, op_ptr,
-                 lse_ptr, Tq, B, HKV, M, NB, BS, scale2, window,
+                 lse_ptr, Tq, B, HKV, M, NB, BS, scale2, window, split_keys,
                  q_st_t, q_st_h, k_st_b, k_st_r, k_st_h, v_st_b, v_st_r, v_st_h, bt_st,
                  o_st_t, o_st_h, op_st_s, op_st_t, op_st_h, lse_st_s, lse_st_t,
                  G: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -128,6 +133,9 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, qsl_ptr, sink_ptr, out_ptr
         chunk = tl.cdiv(tl.cdiv(span, SPLITS), BLOCK_N) * BLOCK_N
         start = lo + s * chunk
         end = tl.minimum(hi, start + chunk)
+        if split_keys > 0:  # absolute splits and tiles (batch-invariant)
+            start = tl.maximum(s * split_keys, lo // BLOCK_N * BLOCK_N)
+            end = tl.minimum(hi, (s + 1) * split_keys)
 
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -252,7 +260,7 @@ def _block_q(g: int, d: int) -> int:
 
 
 def block_attention_out_(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale,
-                         causal=False, window=-1, sinks=None, *, out, splits=None,
+                         causal=False, window=-1, sinks=None, split_keys=0, *, out, splits=None,
                          block_n=None, num_stages=None, num_warps=None) -> None:
     tq, hq, d = q.shape
     nb, bs, hkv, _ = k_cache.shape
@@ -266,7 +274,10 @@ def block_attention_out_(q, k_cache, v_cache, block_table, seq_lens, query_start
     block_q = _block_q(g, d)
     while block_q * g < 16:  # tl.dot needs >= 16 rows
         block_q *= 2
-    n_split = splits or choose_splits(b, hkv, m * bs, q.device)
+    if split_keys:
+        n_split = triton.cdiv(m * bs, split_keys)
+    else:
+        n_split = splits or choose_splits(b, hkv, m * bs, q.device)
     block_n = block_n or (64 if d <= 128 else 32)
     if q.dtype == torch.float32:
         block_n = min(block_n, 32)
@@ -278,7 +289,7 @@ def block_attention_out_(q, k_cache, v_cache, block_table, seq_lens, query_start
     sink = sinks if sinks is not None else q
     _attn_kernel[(b * hkv, n_split)](
         q, k_cache, v_cache, block_table, seq_lens, query_start_loc, sink, out, part, lse,
-        tq, b, hkv, m, nb, bs, float(scale) * LOG2E, window,
+        tq, b, hkv, m, nb, bs, float(scale) * LOG2E, window, split_keys,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1), part.stride(0), part.stride(1), part.stride(2),
@@ -295,10 +306,10 @@ def block_attention_out_(q, k_cache, v_cache, block_table, seq_lens, query_start
 
 
 def block_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale,
-                    causal=False, window=-1, sinks=None, **kw):
+                    causal=False, window=-1, sinks=None, split_keys=0, **kw):
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     block_attention_out_(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale,
-                         causal, window, sinks, out=out, **kw)
+                         causal, window, sinks, split_keys, out=out, **kw)
     return out
 
 
