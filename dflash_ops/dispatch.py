@@ -337,6 +337,26 @@ def use_backend(backend: str, ops: Optional[Iterable[str]] = None):
             sync()
 
 
+@contextlib.contextmanager
+def graph_backends():
+    """Inside the block, eager calls of every op run the backend its captured calls run (its
+    default, as resolved now on CUDA), so eager and graphed code paths run the same kernels
+    (exact mode: a C++ and a Triton norm round differently). Process-wide, as ``use_backend``."""
+    forced = {n: _resolve(n, "cuda", True) for n in _OPS}
+    with _sync_lock:
+        _force_stack.append(forced)
+        sync()
+    try:
+        yield
+    finally:
+        with _sync_lock:
+            for i in range(len(_force_stack) - 1, -1, -1):
+                if _force_stack[i] is forced:
+                    del _force_stack[i]
+                    break
+            sync()
+
+
 def set_backend(backend: Optional[str], ops: Optional[Iterable[str]] = None) -> None:
     """Force ``backend`` process-wide for ``ops`` (default all); ``None`` clears the force."""
     names = _check_ops(ops)

@@ -45,6 +45,8 @@ class Tokens:
     seq_lens: torch.Tensor
     qsl: torch.Tensor
     conv_block: int = 0  # rows per block of the DFlash 2 convolutions (0: no convolution)
+    exact: bool = False  # exact mode: row-count-independent GEMMs (linear(..., exact=True))
+    split_keys: int = 0  # block_attention's absolute key splits (exact mode; 0: by shape)
 
 
 @dataclass
@@ -157,7 +159,8 @@ class DecoderLayer:
             h = add_norm_(h, x, self.in_ln, eps)
         if self.attn_conv is not None:
             h, attn_dyn = self.attn_conv.prepare(h, t.conv_block)
-        qkv = linear(h, self.qkv, self.qkv_b)
+        ex = t.exact
+        qkv = linear(h, self.qkv, self.qkv_b, ex)
         q = qkv[:, :hq * d].view(-1, hq, d)
         k = qkv[:, hq * d:(hq + hkv) * d].view(-1, hkv, d)
         v = qkv[:, (hq + hkv) * d:].view(-1, hkv, d)
@@ -169,14 +172,15 @@ class DecoderLayer:
             OPS.rope_(k, t.pos, t.cos_sin, cfg.rope_is_neox)
         OPS.store_kv_(k[:, None], v[:, None], [k_cache], [v_cache], t.slots)
         attn = OPS.block_attention(q, k_cache, v_cache, t.table, t.seq_lens, t.qsl, d ** -0.5,
-                                   self.causal, self.window, self.sinks)
-        o = linear(attn.view(-1, hq * d), self.o, self.o_b)
+                                   self.causal, self.window, self.sinks, t.split_keys)
+        o = linear(attn.view(-1, hq * d), self.o, self.o_b, ex)
         if self.attn_conv is not None:  # x += conv(o); o = norm(x)
             o = self.attn_conv.finish_add_norm(o, attn_dyn, t.conv_block, x, self.post_ln, eps)
         else:
             OPS.fused_add_rms_norm_(o, x, self.post_ln, eps)  # x += o; o = norm(x)
         if self.mlp_conv is None:
-            return linear(OPS.silu_mul(linear(o, self.gate_up)), self.down)  # silu(gate) * up
+            return linear(OPS.silu_mul(linear(o, self.gate_up, None, ex)), self.down, None,
+                          ex)  # silu(gate) * up
         o, mlp_dyn = self.mlp_conv.prepare(o, t.conv_block)
         out = linear(OPS.silu_mul(linear(o, self.gate_up)), self.down)
         return Pending(out, mlp_dyn, self.mlp_conv, t.conv_block)

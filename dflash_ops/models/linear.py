@@ -8,6 +8,11 @@ included) it is ``F.linear``. The table is the sibling of the op table (``dispat
 default=..., eager=...)``) and follows its rule: it holds kernel times under CUDA-graph replay,
 and an eager Triton launch costs more host time (tens of microseconds) than these GEMMs take.
 
+``linear(..., exact=True)`` (exact mode, CUDA bf16 / fp16) runs the Triton GEMM with one
+config for every M (``EXACT_CFG``: no split over K, each output's K loop in one order), eager or
+captured, so a row's result does not depend on how many rows share the call (cuBLAS picks its
+algorithm, split-K included, by M).
+
 ``TABLE`` comes from ``linear_table.json`` next to this file, written by
 ``benchmarks/sweep_linear.py --write-table`` from measurements on the H200 (each entry: the
 config and both times); without the file every layer uses cuBLAS. The choice depends on shapes
@@ -26,6 +31,10 @@ from .. import dispatch, triton
 
 TABLE_PATH = Path(__file__).with_name("linear_table.json")
 M_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+# exact mode's one config (bm, bn, bk, gm, warps, stages, tma, persistent): a 64-row tile, no
+# TMA (any strides and alignments), not persistent; not yet measured (issue 19)
+EXACT_CFG = (64, 128, 64, 8, 4, 3, False, False)
 
 # (N, K) -> {m_bucket: ProjCfg fields (bm, bn, bk, gm, warps, stages, tma, persistent)}
 Table = Dict[Tuple[int, int], Dict[int, tuple]]
@@ -76,16 +85,31 @@ def choice(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
     return TABLE.get((n, k), {}).get(m_bucket(m))
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
+def exact_choice(dtype: torch.dtype, device: torch.device) -> Optional[tuple]:
+    """Exact mode's Triton config where it runs (CUDA, bf16 / fp16, triton), else None (the
+    torch path: on CPU, and fp32)."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or not triton.AVAILABLE:
+        return None
+    return EXACT_CFG
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None,
+           exact: bool = False) -> torch.Tensor:
     """``x @ w^T + b`` as one 2-D GEMM over the rows of x (any leading shape). A leading shape
     that does not flatten to rows without a copy (e.g. ``h.view(R, B, H)[:, 1:]``) is copied
     first: ``F.linear`` would run it as a batched GEMM that reads w once per leading index
-    (measured: the drafter's LM head at batch 8 took 2.4 ms instead of 0.3 ms)."""
+    (measured: the drafter's LM head at batch 8 took 2.4 ms instead of 0.3 ms). ``exact``: the
+    row-count-independent GEMM of exact mode (module docstring)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] and x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    cfg = choice(x2.shape[0], w.shape[0], w.shape[1], x.dtype, x.device) if x2.shape[0] else None
+    if not x2.shape[0]:
+        cfg = None
+    elif exact:
+        cfg = exact_choice(x.dtype, x.device)
+    else:
+        cfg = choice(x2.shape[0], w.shape[0], w.shape[1], x.dtype, x.device)
     if cfg is None or w.dtype != x.dtype or (b is not None and b.dtype != x.dtype):
         return F.linear(x2, w, b).view(*lead, w.shape[0])
     from ..triton.context import ProjCfg, kv_proj  # here: triton may be absent off CUDA

@@ -39,6 +39,14 @@ OPS = torch.ops.dflash
 _MODEL_TYPES = ("qwen3", "llama")
 
 
+def exact_split_keys(max_keys: int) -> int:
+    """Exact mode's block_attention split size, from the block table's width (max_keys =
+    max_blocks * block_size) alone, so a decode and a verify of one request split alike: at
+    least 128 keys, at most ~32 splits, a multiple of 64."""
+    per = -(-max_keys // 32)
+    return max(128, -(-per // 64) * 64)
+
+
 # ---------------------------------------------------------------------------------- config
 @dataclass(frozen=True)
 class TargetConfig:
@@ -182,9 +190,14 @@ class Target:
 
     def __init__(self, cfg: TargetConfig, state: dict, *, dtype=torch.bfloat16, device=None,
                  num_blocks: int = 256, block_size: int = 16, max_requests: int = 8,
-                 max_len: int = 4096):
+                 max_len: int = 4096, exact: bool = False):
         check_target_state(state, cfg)
         self.cfg = cfg
+        # exact mode: every row's logits independent of the rows sharing the forward (a 16-row
+        # verify = a 1-row decode, bit for bit): the GEMMs of linear(..., exact=True) and
+        # block_attention's absolute key splits; the loop also runs one backend per op in eager
+        # and captured calls (speculator.loop.exact_mode)
+        self.exact = exact
         dev = torch.device(device) if device is not None else torch.device("cpu")
         self.dtype, self.device = dtype, dev
 
@@ -267,7 +280,9 @@ class Target:
         pos = starts[tok_req] + torch.arange(t, device=self.device) - qsl[tok_req]
         meta = Tokens(cfg, self.cos_sin, pos, self.cache.slots(requests[tok_req], pos),
                       self.cache.block_table[requests], (starts + q_lens).to(torch.int32),
-                      qsl.to(torch.int32))
+                      qsl.to(torch.int32), exact=self.exact,
+                      split_keys=exact_split_keys(self.cache.max_blocks * self.cache.block_size)
+                      if self.exact else 0)
 
         x = F.embedding(ids, self.embed)   # the residual stream
         h = None                           # last layer output not yet added into x
@@ -283,7 +298,7 @@ class Target:
             h = OPS.rms_norm(x, self.norm, cfg.rms_norm_eps)
         else:
             OPS.fused_add_rms_norm_(h, x, self.norm, cfg.rms_norm_eps)
-        logits = linear(h, self.lm_head)
+        logits = linear(h, self.lm_head, None, self.exact)
         if fp32_logits:
             logits = logits.float()
         tap_out = None

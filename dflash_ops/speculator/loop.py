@@ -24,12 +24,14 @@ context rows then map to slot -1 and are written nowhere.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from .. import dispatch
 from .draft_step import DraftStep
 from .policy import Policy, PolicyMemory
 from .step import DecodeIteration, Iteration, Sampling, State, Stats, check_pair, sync_device
@@ -87,12 +89,38 @@ def _check_requests(fn: str, caches, prompts, max_new_tokens: int, vocab: int,
                              f"{c.free_blocks()} are free (num_blocks)")
 
 
+@contextlib.contextmanager
+def exact_mode(target, exact: Optional[bool] = True):
+    """Inside the block ``target.exact`` is ``exact`` (None: left as it is) and, when exact on
+    CUDA, every op's eager calls run its graph backend (``dispatch.graph_backends``): a
+    verify block's rows and a decode step's row then run the same kernels with results
+    independent of the rows sharing the call, so greedy speculative output equals plain greedy
+    decoding bit for bit in bf16 / fp16 too (exact mode, issue 19)."""
+    old = getattr(target, "exact", False)
+    if exact is not None:
+        target.exact = bool(exact)
+    on = bool(getattr(target, "exact", False)) and target.device.type == "cuda"
+    try:
+        with dispatch.graph_backends() if on else contextlib.nullcontext():
+            yield
+    finally:
+        if exact is not None:
+            target.exact = old
+
+
 def plain_greedy(target, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                 stop_token_ids: Sequence[int] = ()) -> List[List[int]]:
+                 stop_token_ids: Sequence[int] = (), exact: Optional[bool] = None
+                 ) -> List[List[int]]:
     """Target-only greedy decoding of every prompt (the speculative output's reference):
-    max_new_tokens (>= 1) tokens a prompt, fewer where a stop token ends it. Bad arguments
-    (no or empty prompts, tokens outside the vocabulary, more prompts or longer ones than the
-    cache holds, max_new_tokens < 1) raise a ValueError before anything is allocated."""
+    max_new_tokens (>= 1) tokens a prompt, fewer where a stop token ends it. ``exact``: run in
+    exact mode (``exact_mode``; None: as ``target.exact`` says). Bad arguments (no or empty
+    prompts, tokens outside the vocabulary, more prompts or longer ones than the cache holds,
+    max_new_tokens < 1) raise a ValueError before anything is allocated."""
+    with exact_mode(target, exact):
+        return _plain_greedy(target, prompts, max_new_tokens, stop_token_ids)
+
+
+def _plain_greedy(target, prompts, max_new_tokens, stop_token_ids):
     dev = target.device
     stop = set(stop_token_ids)
     _check_requests("plain_greedy", [("target", target.cache)], prompts, max_new_tokens,
@@ -215,7 +243,8 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
                          temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                          generator: Optional[torch.Generator] = None, time_stages: bool = True,
                          steps: str = "auto", policy: bool = True,
-                         policy_blocks: Optional[Sequence[int]] = None):
+                         policy_blocks: Optional[Sequence[int]] = None,
+                         exact: Optional[bool] = None):
     """(new tokens per prompt, Stats): DFlash decoding. Greedy (temperature 0) equals
     ``plain_greedy``; with temperature > 0 the output follows the target's sampling
     distribution (speculative rejection sampling). ``generator``: a torch.Generator on the
@@ -233,10 +262,24 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
     lossless, so the output is the same; ``Stats.blocks`` counts the iterations per block size.
     ``policy=False``: always ``block_size`` (as the reference DFlash loop).
 
+    ``exact=True``: exact mode (``exact_mode``): greedy output equal to ``plain_greedy(...,
+    exact=True)`` bit for bit in bf16 / fp16 as well (without it the two round differently
+    near ties: a 16-row verify and a 1-row decode run other kernels); None: as
+    ``target.exact`` says.
+
     ``max_new_tokens`` (>= 1): the tokens a prompt gets, fewer where a stop token ends it;
     ``block_size``: None for the drafter config's, else >= 2. Bad arguments (those, no or empty
     prompts, tokens outside the vocabulary, more prompts or longer ones than the caches hold, a
     drafter that does not fit the target) raise a ValueError before anything is allocated."""
+    with exact_mode(target, exact):
+        return _speculative_generate(
+            target, drafter, prompts, max_new_tokens, stop_token_ids, block_size, on_iteration,
+            temperature, top_p, top_k, generator, time_stages, steps, policy, policy_blocks)
+
+
+def _speculative_generate(target, drafter, prompts, max_new_tokens, stop_token_ids, block_size,
+                          on_iteration, temperature, top_p, top_k, generator, time_stages, steps,
+                          policy, policy_blocks):
     fn = "speculative_generate"
     check_pair(target, drafter, fn)
     sampling = Sampling(temperature, top_p, top_k, generator) if temperature > 0 else None

@@ -1,0 +1,136 @@
+"""Exact mode (issue 19): greedy speculative output equal to plain greedy decoding bit for bit in
+bf16, from kernels whose rows do not depend on the rows sharing the call.
+
+CPU: the wiring (the target's forwards pass block_attention its absolute key splits and the
+GEMMs their exact flag only inside ``exact_mode``, which restores the target after; the split
+size follows the table width alone), and the loop's output in exact mode equals plain greedy
+(fp32, where the torch paths agree anyway). GPU (to run: written after session 19's device time):
+``linear(..., exact=True)`` rows bit-identical for any M; 200 random bf16 cases (vocabularies of
+8-32 so drafts are often right, batch 1-13, block 2-16, stop tokens, prompts of 1-300 tokens)
+with zero differences from plain greedy.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import dflash_ops.models.layer as layer_mod
+from dflash_ops.models.config import DFlashConfig
+from dflash_ops.models.drafter import DFlashDrafter, random_drafter_state
+from dflash_ops.models.linear import linear
+from dflash_ops.models.target import Target, TargetConfig, exact_split_keys
+from dflash_ops.speculator import exact_mode, plain_greedy, speculative_generate
+
+
+def _pair(vocab=97, block_size=4, seed=0, dtype=torch.float32, device="cpu", max_requests=5,
+          num_blocks=64, max_len=128, h=64):
+    tcfg = TargetConfig(hidden_size=h, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
+                        intermediate_size=2 * h, vocab_size=vocab, max_position_embeddings=1024,
+                        source="<test>")
+    target = Target.random(tcfg, seed=seed, dtype=dtype, num_blocks=num_blocks, block_size=4,
+                           max_requests=max_requests, max_len=max_len, device=device)
+    dcfg = DFlashConfig(hidden_size=h, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                        intermediate_size=96, vocab_size=vocab, mask_token_id=vocab - 1,
+                        target_layer_ids=[0, 1], block_size=block_size,
+                        max_position_embeddings=1024, source="<test>")
+    drafter = DFlashDrafter(dcfg, random_drafter_state(dcfg, seed + 1),
+                            embed_tokens=target.embed, lm_head=target.lm_head, dtype=dtype,
+                            num_blocks=num_blocks, cache_block_size=4,
+                            max_requests=max_requests, max_len=max_len, device=device)
+    return target, drafter
+
+
+def test_exact_split_keys_depends_on_the_table_width_only():
+    for keys in (4, 128, 1000, 4096, 131072, 1 << 20):
+        sk = exact_split_keys(keys)
+        assert sk % 64 == 0 and sk >= 128 and -(-keys // sk) <= 32, (keys, sk)
+
+
+class _Recorder:
+    """Stands in for torch.ops.dflash in the layer module: records block_attention's
+    split_keys."""
+
+    def __init__(self, ops):
+        self._ops, self.split_keys = ops, []
+
+    def __getattr__(self, name):
+        return getattr(self._ops, name)
+
+    def block_attention(self, *args):
+        self.split_keys.append(args[10] if len(args) > 10 else 0)
+        return self._ops.block_attention(*args)
+
+
+def test_exact_mode_passes_absolute_splits_and_restores_the_target(monkeypatch):
+    target, _ = _pair()
+    rec = _Recorder(layer_mod.OPS)
+    monkeypatch.setattr(layer_mod, "OPS", rec)
+    prompts = [[1, 2, 3], [4, 5]]
+    plain = plain_greedy(target, prompts, 3)
+    assert set(rec.split_keys) == {0} and target.exact is False
+    rec.split_keys.clear()
+    exact = plain_greedy(target, prompts, 3, exact=True)
+    want = exact_split_keys(target.cache.max_blocks * target.cache.block_size)
+    assert set(rec.split_keys) == {want} and want > 0
+    assert target.exact is False  # restored
+    assert exact == plain  # fp32 on the CPU: the torch paths agree
+    with exact_mode(target):
+        assert target.exact is True
+    assert target.exact is False
+
+
+def test_linear_exact_is_the_torch_path_off_cuda():
+    x, w = torch.randn(5, 32), torch.randn(48, 32)
+    assert torch.equal(linear(x, w, exact=True), linear(x, w))
+
+
+@pytest.mark.parametrize("steps", ["direct", "static"])
+def test_exact_loop_equals_exact_plain_greedy_cpu(steps):
+    target, drafter = _pair(block_size=4, seed=3)
+    prompts = [[1, 2, 3, 4, 5], [6], [7, 8, 9]]
+    want = plain_greedy(target, prompts, 10, exact=True)
+    got, _ = speculative_generate(target, drafter, prompts, 10, steps=steps, exact=True)
+    assert got == want and target.exact is False
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", [(96, 64), (1000, 320), (4096, 1024)])
+def test_linear_exact_rows_do_not_depend_on_m_gpu(n, k):
+    torch.manual_seed(0)
+    x = torch.randn(300, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    full = linear(x, w, exact=True)
+    torch.testing.assert_close(full.float(), (x.float() @ w.float().t()), atol=0.05, rtol=0.02)
+    for m in (1, 7, 16, 64, 65, 299):
+        assert torch.equal(linear(x[:m], w, exact=True), full[:m]), m
+    assert torch.equal(linear(x[130:131], w, exact=True), full[130:131])
+
+
+@pytest.mark.gpu
+def test_exact_mode_equals_plain_greedy_200_random_bf16_cases_gpu():
+    """200 cases over 8 pairs (vocab 8-32, block 2-16): batch 1-13, prompts of 1-300 tokens,
+    stop tokens taken from the plain run; every output equal to plain greedy in exact mode."""
+    rng = random.Random(19)
+    cases = differ = 0
+    for pair_i in range(8):
+        vocab = rng.choice([8, 12, 16, 24, 32])
+        block = rng.choice([2, 4, 8, 16])
+        target, drafter = _pair(vocab=vocab, block_size=block, seed=100 + pair_i,
+                                dtype=torch.bfloat16, device="cuda", max_requests=14,
+                                num_blocks=14 * 90, max_len=360, h=128)
+        for _ in range(25):
+            batch = rng.randint(1, 13)
+            prompts = [[rng.randrange(vocab - 1) for _ in range(rng.randint(1, 300))]
+                       for _ in range(batch)]
+            n_new = rng.randint(1, 40)
+            free = plain_greedy(target, prompts, n_new, exact=True)
+            stop = sorted({o[len(o) // 2] for o in free[:2]}) if rng.random() < 0.5 else []
+            want = plain_greedy(target, prompts, n_new, stop, exact=True)
+            got, _ = speculative_generate(target, drafter, prompts, n_new, stop, exact=True,
+                                          steps=rng.choice(["direct", "graphs"]),
+                                          time_stages=False, policy=rng.random() < 0.5)
+            cases += 1
+            differ += int(got != want)
+    assert cases == 200 and differ == 0, f"{differ} of {cases} cases differ from plain greedy"
