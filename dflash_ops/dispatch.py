@@ -322,7 +322,13 @@ def use_backend(backend: str, ops: Optional[Iterable[str]] = None):
     The force is process-wide (the dispatcher's CUDA registration is), so do not open
     blocks from several threads at once.
     """
-    forced = {n: _check_backend(backend) for n in _check_ops(ops)}
+    with _forcing({n: _check_backend(backend) for n in _check_ops(ops)}):
+        yield
+
+
+@contextlib.contextmanager
+def _forcing(forced: dict):
+    """Push ``forced`` (op -> backend) onto the force stack for the block."""
     with _sync_lock:
         _force_stack.append(forced)
         sync()
@@ -342,19 +348,8 @@ def graph_backends():
     """Inside the block, eager calls of every op run the backend its captured calls run (its
     default, as resolved now on CUDA), so eager and graphed code paths run the same kernels
     (exact mode: a C++ and a Triton norm round differently). Process-wide, as ``use_backend``."""
-    forced = {n: _resolve(n, "cuda", True) for n in _OPS}
-    with _sync_lock:
-        _force_stack.append(forced)
-        sync()
-    try:
+    with _forcing({n: _resolve(n, "cuda", True) for n in _OPS}):
         yield
-    finally:
-        with _sync_lock:
-            for i in range(len(_force_stack) - 1, -1, -1):
-                if _force_stack[i] is forced:
-                    del _force_stack[i]
-                    break
-            sync()
 
 
 def set_backend(backend: Optional[str], ops: Optional[Iterable[str]] = None) -> None:
