@@ -228,6 +228,21 @@ def test_report_tables(tmp_path):
     assert all(p.exists() for p in paths)
 
 
+def test_report_exact_table():
+    """bench e2e --exact: the exact-mode table, its costs against the default of the same run."""
+    t, d = tiny_target_cfg(), tiny_drafter_cfg()
+    res = rep.E2EResults("e2e-test", floors={"copy_GBps": 4000.0, "gemm_TFLOPs": 700.0})
+    m = {"batch": 1, "context": 64, "draft": _fake(10.0), "verify": _fake(30.0),
+         "iteration": _fake(41.0), "decode": _fake(25.0), "verify exact": _fake(33.0),
+         "iteration exact": _fake(43.0), "decode exact": _fake(30.0),
+         "loop": {"wall_us": 50.0, "graphs_us": 40.0, "idle_us": 10.0, "iters": 20}}
+    rep.report(res, t, d, [{"batch": 1, "context": 64, "mem": 1e9, "m": m, "note": ""}], [])
+    row = res.tables()[rep.EXACT][0]
+    assert row["verify exact cost %"] == pytest.approx(10.0)
+    assert row["decode exact cost %"] == pytest.approx(20.0)
+    assert row["draft+verify exact us"] == 43.0 and row["draft+verify us"] == 41.0
+
+
 # ----------------------------------------------------------------------------- no GPU
 
 @NO_CUDA

@@ -50,6 +50,10 @@ replayed >= 10 times and for ~300 ms, ``--quick`` >= 5 times and ~100 ms):
   ``Stats``: host syncs (1 for the first token + 1 per graph capture + 1 per iteration), iterations,
   host wall time per iteration. ``DFLASH_OPS_BENCH_E2E_LOOP=0`` skips it.
 
+``--exact``: per case, the verify step, the iteration and the decode step again in exact mode
+(``speculator.exact_mode``: row-count-independent GEMMs and attention splits, captured apart),
+beside the default ones in the same run: issue 19's cost of exact mode.
+
 Run time on the H200 (estimate): floors ~5 s; weights ~5-10 s; per case ~5-20 s
 (caches, three captures, four timings, the host loop; B 64 x S 8192: verify ~50-100 ms a
 replay), the first Triton compiles ~10-30 s once; the real loop ~5-10 s a batch size: full run
@@ -269,8 +273,9 @@ def host_loop(target, drafter, dstep, vstep, batch: int, context: int, pending: 
 
 
 def measure_case(target, drafter, batch: int, context: int, *, rep_ms: float,
-                 loop_ms: float, min_reps: int = 10) -> dict:
-    """Times (us) of draft, verify, draft+verify, decode and the host loop for one case."""
+                 loop_ms: float, min_reps: int = 10, exact: bool = False) -> dict:
+    """Times (us) of draft, verify, draft+verify, decode and the host loop for one case (and,
+    ``exact``, of verify, draft+verify and decode in exact mode)."""
     from ..speculator.draft_step import DraftStep
     from ..speculator.verify_step import VerifyStep
 
@@ -317,6 +322,21 @@ def measure_case(target, drafter, batch: int, context: int, *, rep_ms: float,
     out["verify"] = time_replays(lambda: vstep.run(vbucket), **timing)
     out["iteration"] = time_replays(lambda: (dstep.run(bucket), vstep.run(vbucket)), **timing)
     out["decode"] = time_replays(dgraph.replay, **timing)
+    if exact:  # the same steps in exact mode, captured apart (the graphs bake the kernels in)
+        from ..speculator.loop import exact_mode
+        with exact_mode(target, True):
+            xstep = VerifyStep(target, max_batch=batch, block_size=b,
+                               tap_layers=dcfg.target_layer_ids, scratch_request=batch,
+                               logits=False)
+            xb = xstep.load(torch.randint(0, vocab, (batch, b), generator=g, device=dev), ra, st)
+            xstep.capture(xb)
+            xgraph = dispatch.capture_graph(
+                lambda: target.forward(ids, ra, st, ones, None, fp32_logits=False)[0].argmax(-1))[0]
+        torch.cuda.synchronize()
+        out["verify exact"] = time_replays(lambda: xstep.run(xb), **timing)
+        out["iteration exact"] = time_replays(lambda: (dstep.run(bucket), xstep.run(xb)),
+                                              **timing)
+        out["decode exact"] = time_replays(xgraph.replay, **timing)
     graphs_us = out["draft"]["us"] + out["verify"]["us"]
     iters = max(min_reps, min(100, int(loop_ms * 1e3 / max(graphs_us, 1.0))))
     try:
@@ -362,7 +382,7 @@ def measure_real_loop(target, drafter, batch: int, prompt_len: int = LOOP_PROMPT
 
 def bench(tcfg, dcfg, cases: Sequence[Tuple[int, int]], *, quick: bool = False,
           mem_gb: float = MEM_GB, real_loop: bool = True, name: str = "e2e",
-          seed: int = 0) -> Results:
+          seed: int = 0, exact: bool = False) -> Results:
     """Every case on one pair of models built here; returns the Results."""
     require_cuda()
     import dflash_ops  # defines the ops, loads the CUDA extension
@@ -404,7 +424,7 @@ def bench(tcfg, dcfg, cases: Sequence[Tuple[int, int]], *, quick: bool = False,
             t0 = time.perf_counter()
             try:
                 m = measure_case(target, drafter, b, s, rep_ms=rep_ms, loop_ms=loop_ms,
-                                 min_reps=min_reps)
+                                 min_reps=min_reps, exact=exact)
             except Exception as e:  # noqa: BLE001 - one failed case (OOM...) is reported
                 m = None
                 entry["note"] = (f"failed: {type(e).__name__}: "
@@ -439,11 +459,17 @@ def bench(tcfg, dcfg, cases: Sequence[Tuple[int, int]], *, quick: bool = False,
     return res
 
 
-def run(quick: bool = False) -> Results:
+def add_options(p) -> None:
+    p.add_argument("--exact", action="store_true",
+                   help="also time verify, iteration and decode in exact mode (default: off)")
+
+
+def run(quick: bool = False, exact: bool = False) -> Results:
     """The suite behind ``dflash-ops bench e2e``: Qwen3-8B shapes, cases from
     DFLASH_OPS_BENCH_E2E_CASES or the defaults, memory budget DFLASH_OPS_BENCH_E2E_MEM_GB,
     DFLASH_OPS_BENCH_E2E_LOOP=0 skips the real-loop table. Writes ``e2e`` (``e2e-quick``,
-    ``e2e-<BxS...>`` for restricted runs, so they never overwrite a full run's files)."""
+    ``e2e-<BxS...>`` for restricted runs, so they never overwrite a full run's files;
+    ``-exact`` appended with --exact)."""
     require_cuda()
     cases = cases_from_env(quick)
     mem_gb = float(os.environ.get(ENV_MEM, "").strip() or MEM_GB)
@@ -453,5 +479,7 @@ def run(quick: bool = False) -> Results:
         name += "-" + "-".join(f"{b}x{s}" for b, s in cases)
     elif quick:
         name += "-quick"
+    if exact:
+        name += "-exact"
     return bench(qwen3_8b_target_config(), qwen3_8b_dflash_config(), cases, quick=quick,
-                 mem_gb=mem_gb, real_loop=real_loop, name=name)
+                 mem_gb=mem_gb, real_loop=real_loop, name=name, exact=exact)

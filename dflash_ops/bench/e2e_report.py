@@ -235,6 +235,8 @@ SUMMARY = "summary: iteration (draft + verify graphs) vs decode graph, floors, i
 HOST = "host loop around the two graphs (speculative_generate's iteration, one sync an iteration)"
 TERMS = "floor terms (GB, TFLOP, us)"
 REAL = "speculative_generate (steps='graphs', time_stages=False), short run"
+EXACT = ("exact mode vs default (graph replays, us; cost = exact / default - 1): verify, "
+         "iteration, decode")
 
 
 def _steps_title(context: int) -> str:
@@ -314,6 +316,19 @@ def report(res: Results, tcfg, dcfg, entries: list, loops: list) -> None:
                 res.add_time(_steps_title(s), f"B={b}", name, m[key], bytes_moved=moved[name],
                              floor=fl[name], x=b, **{"floor us": fl[name],
                                                      "reps": m[key]["samples"]})
+    for e in done:  # exact mode beside the default (bench e2e --exact)
+        m = e["m"]
+        if "decode exact" not in m:
+            continue
+        fl = step_floors(res.floors, step_costs(tcfg, dcfg, e["batch"], e["context"]))
+        cells = {}
+        for name, key in (("verify", "verify"), ("draft+verify", "iteration"),
+                          ("decode", "decode")):
+            d, x = m[key]["us"], m[f"{key} exact"]["us"]
+            cells.update({f"{name} us": d, f"{name} exact us": x,
+                          f"{name} exact cost %": 100 * (x / d - 1),
+                          f"{name} exact x floor": x / fl[name]})
+        res.add(EXACT, case=case_label(e["batch"], e["context"]), **cells, note="")
     for e in done:
         lp, label = e["m"]["loop"], case_label(e["batch"], e["context"])
         if "error" in lp:
