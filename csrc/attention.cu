@@ -50,7 +50,8 @@ using namespace detail;     // common.cuh, checks.h
 // Host side: argument checks (checks.h), then the launch.
 
 // The checks of dflash_ops/ops/attention.py in its order, then the C++ limits.
-constexpr int64_t kMaxAbsoluteSplits = 65535;  // split_keys: the grid's second dimension
+// split_keys: at most 32 splits (combine_kernel merges one split a lane of one warp)
+constexpr int64_t kMaxAbsoluteSplits = 32;
 
 void check_attn(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
                 const at::Tensor& v_cache, const at::Tensor& block_table,
@@ -222,7 +223,7 @@ void run(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_
   at::Tensor o = out_direct ? out : at::empty(q_in.sizes(), q_in.options());
 
   const int64_t rows = tq * hq;
-  // split_keys: one split per split_keys absolute keys of the table's width (checked <= 65535);
+  // split_keys: one split per split_keys absolute keys of the table's width (checked <= 32);
   // the partial buffer then has no cap: the caller chose it
   const int splits =
       split_keys > 0

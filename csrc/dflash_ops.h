@@ -122,7 +122,7 @@ void context_kv_(const at::Tensor& x, const at::Tensor& w_kv,
 //   only, so a CUDA graph replays for any lengths); the fp32 partial results and their merge
 //   then take a [splits, Tq * Hq, D + 1] fp32 buffer from the caching allocator. split_keys > 0
 //   (a multiple of 64): split s is the absolute keys [s * split_keys, (s + 1) * split_keys),
-//   ceil(M * block_size / split_keys) splits (at most 65535), tiles at absolute key multiples,
+//   ceil(M * block_size / split_keys) splits (at most 32), tiles at absolute key multiples,
 //   merged in split order: a row's result does not depend on the rest of the call.
 at::Tensor block_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_table,

@@ -38,12 +38,17 @@ def _call(backend, q, kc, vc, table, seq_lens, qsl, scale, causal, window, sinks
     return out
 
 
-def invariance(device, dtype, backend, mode, split_keys, d=64, hkv=2, ratio=4, seed=0):
+def invariance(device, dtype, backend, mode, split_keys, d=64, hkv=2, ratio=4, seed=0,
+               pad_blocks=0):
     """(rows compared, rows that differ) over both comparisons; asserts the full call against
-    the reference."""
+    the reference. ``pad_blocks``: garbage columns appended to the block table (a wider table:
+    more splits, up to the 32 allowed)."""
     torch.manual_seed(seed)
     causal, window, use_sinks = ATTN_MODES[mode]
     q, kc, vc, table, seq_lens, qsl = paged_case(SEQ, QLEN, 16, hkv, hkv * ratio, d, dtype)
+    if pad_blocks:
+        table = torch.cat([table, torch.randint(-4, kc.shape[0] + 4, (len(SEQ), pad_blocks),
+                                                dtype=torch.int32)], 1)
     sinks = (torch.randn(hkv * ratio) * 2.0) if use_sinks else None
     scale = 1.0 / math.sqrt(d)
     args = [q, kc, vc, table, seq_lens, qsl, scale, causal, window, sinks]
@@ -96,6 +101,9 @@ def check(device, dtypes, backends, split_keys_list=(64, 128)):
                     n, bad = invariance(device, dtype, backend, mode, sk)
                     assert bad == 0, f"{backend} {dtype} {mode} split_keys={sk}: {bad} of " \
                                      f"{n} rows differ from the full call"
+            # the widest table split_keys 64 allows: 2048 keys, 32 splits (the combine's limit)
+            n, bad = invariance(device, dtype, backend, "causal", 64, pad_blocks=128 - 35)
+            assert bad == 0, f"{backend} {dtype} 32 splits: {bad} of {n} rows differ"
             # the control: shape-chosen splits part a decode row from its verify row somewhere
             n, bad = invariance(device, dtype, backend, "causal", 0)
             assert bad > 0, f"{backend} {dtype}: split_keys=0 matched on all {n} rows: the " \
@@ -125,9 +133,11 @@ def test_reference_and_validation():
     for bad in (-64, 32, 100):
         with pytest.raises(ValueError, match="split_keys must be 0 or a positive multiple"):
             dflash_ops.block_attention(*args, split_keys=bad)
-    with pytest.raises(ValueError, match="at most 65535"):  # 4.8M keys / 64: 75000 splits
-        dflash_ops.block_attention(q, kc, vc, torch.zeros(3, 300000, dtype=torch.int32),
+    with pytest.raises(ValueError, match="at most 32"):  # 2064 keys / 64: 33 splits
+        dflash_ops.block_attention(q, kc, vc, torch.zeros(3, 129, dtype=torch.int32),
                                    seq_lens, qsl, 0.125, split_keys=64)
+    dflash_ops.block_attention(q, kc, vc, torch.zeros(3, 128, dtype=torch.int32), seq_lens,
+                               qsl, 0.125, split_keys=64)  # 2048 keys: 32 splits, allowed
 
 
 @pytest.mark.gpu

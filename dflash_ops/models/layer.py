@@ -57,11 +57,11 @@ class Conv:
     proj: torch.Tensor
     group_size: int
 
-    def prepare(self, h: torch.Tensor, block: int):
+    def prepare(self, h: torch.Tensor, block: int, exact: bool = False):
         """(the convolution of the sublayer's input h [T, H] with base[0] and the first half of
         proj(h), the second half for ``finish``)."""
         k = self.base.shape[1]
-        dyn = linear(h, self.proj).view(h.shape[0], 2, k, -1)
+        dyn = linear(h, self.proj, None, exact).view(h.shape[0], 2, k, -1)
         return OPS.grouped_dyn_conv(h, dyn[:, 0], self.base[0], self.group_size, block), dyn[:, 1]
 
     def finish_add_norm(self, y: torch.Tensor, dyn: torch.Tensor, block: int, x: torch.Tensor,
@@ -158,7 +158,7 @@ class DecoderLayer:
         else:  # x += h; h = norm(x)
             h = add_norm_(h, x, self.in_ln, eps)
         if self.attn_conv is not None:
-            h, attn_dyn = self.attn_conv.prepare(h, t.conv_block)
+            h, attn_dyn = self.attn_conv.prepare(h, t.conv_block, t.exact)
         ex = t.exact
         qkv = linear(h, self.qkv, self.qkv_b, ex)
         q = qkv[:, :hq * d].view(-1, hq, d)
@@ -181,6 +181,6 @@ class DecoderLayer:
         if self.mlp_conv is None:
             return linear(OPS.silu_mul(linear(o, self.gate_up, None, ex)), self.down, None,
                           ex)  # silu(gate) * up
-        o, mlp_dyn = self.mlp_conv.prepare(o, t.conv_block)
-        out = linear(OPS.silu_mul(linear(o, self.gate_up)), self.down)
+        o, mlp_dyn = self.mlp_conv.prepare(o, t.conv_block, ex)
+        out = linear(OPS.silu_mul(linear(o, self.gate_up, None, ex)), self.down, None, ex)
         return Pending(out, mlp_dyn, self.mlp_conv, t.conv_block)

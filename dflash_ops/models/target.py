@@ -39,6 +39,14 @@ OPS = torch.ops.dflash
 _MODEL_TYPES = ("qwen3", "llama")
 
 
+# Exact mode's absolute attention splits for forwards of at most this many tokens (decode and
+# verify batches: 64 requests x 16); longer forwards (prefill chunks) split by shape: their
+# fp32 partial results would take up to 32 x Tq x Hq x (D + 1) x 4 bytes (4.3 GB for an 8k
+# prefill of Qwen3-8B), and both loops prefill the same prompts in the same call, so their
+# prefill rows agree without it.
+EXACT_MAX_TOKENS = 1024
+
+
 def exact_split_keys(max_keys: int) -> int:
     """Exact mode's block_attention split size, from the block table's width (max_keys =
     max_blocks * block_size) alone, so a decode and a verify of one request split alike: at
@@ -282,7 +290,7 @@ class Target:
                       self.cache.block_table[requests], (starts + q_lens).to(torch.int32),
                       qsl.to(torch.int32), exact=self.exact,
                       split_keys=exact_split_keys(self.cache.max_blocks * self.cache.block_size)
-                      if self.exact else 0)
+                      if self.exact and t <= EXACT_MAX_TOKENS else 0)
 
         x = F.embedding(ids, self.embed)   # the residual stream
         h = None                           # last layer output not yet added into x

@@ -15,7 +15,8 @@ in block ``block_table[b, j // block_size]``, row ``j % block_size``.
   merged in split order, so a query row's result is bit-identical whatever else shares the call
   (other requests, the other queries of its block, 1 query or 16) for the same ``block_table``
   width: the batch-invariant attention of exact mode. It launches ceil(max_blocks * block_size /
-  split_keys) splits (at most 65535) and is ignored by the torch reference.
+  split_keys) splits (at most 32) and is ignored by the torch reference; the fp32 partial
+  results take splits x Tq x Hq x (D + 1) x 4 bytes.
 
 Device values are bounds-checked: a block id outside ``[0, num_blocks)`` hides its keys,
 ``seq_lens`` is clamped to ``max_blocks * block_size``, a query that sees no key gets zeros, and
@@ -40,7 +41,7 @@ __all__ = ["block_attention"]
 _OP = "block_attention"
 
 
-MAX_SPLITS = 65535  # split_keys: the grid's second dimension
+MAX_SPLITS = 32  # split_keys: the CUDA combine merges one split a lane of one warp
 
 
 def _check_attn(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale,
@@ -188,7 +189,7 @@ dispatch.define_op(
 
 def block_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale,
                     causal: bool = False, window: int = -1, sinks: Optional[torch.Tensor] = None,
-                    out: Optional[torch.Tensor] = None, split_keys: int = 0) -> torch.Tensor:
+                    split_keys: int = 0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of each request's query block over its paged K/V; writes ``out`` if given."""
     if out is None:
         return torch.ops.dflash.block_attention.default(

@@ -31,7 +31,8 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from .. import dispatch
+from .. import dispatch, triton
+from ..models.linear import exact_choice
 from .draft_step import DraftStep
 from .policy import Policy, PolicyMemory
 from .step import DecodeIteration, Iteration, Sampling, State, Stats, check_pair, sync_device
@@ -95,11 +96,17 @@ def exact_mode(target, exact: Optional[bool] = True):
     CUDA, every op's eager calls run its graph backend (``dispatch.graph_backends``): a
     verify block's rows and a decode step's row then run the same kernels with results
     independent of the rows sharing the call, so greedy speculative output equals plain greedy
-    decoding bit for bit in bf16 / fp16 too (exact mode, issue 19)."""
+    decoding bit for bit in bf16 / fp16 too (exact mode, issue 19). On CUDA it needs a bf16 /
+    fp16 target and triton (ValueError otherwise: cuBLAS would pick its GEMM by row count); on
+    the CPU it changes nothing that matters (torch paths; not guaranteed bit-identical)."""
     old = getattr(target, "exact", False)
+    on = bool(old if exact is None else exact) and target.device.type == "cuda"
+    if on and exact_choice(target.dtype, target.device) is None:
+        raise ValueError(f"exact mode on CUDA needs a bf16 / fp16 target and triton (its "
+                         f"GEMMs), got {str(target.dtype).replace('torch.', '')}"
+                         f"{'' if triton.AVAILABLE else ', triton missing'}")
     if exact is not None:
         target.exact = bool(exact)
-    on = bool(getattr(target, "exact", False)) and target.device.type == "cuda"
     try:
         with dispatch.graph_backends() if on else contextlib.nullcontext():
             yield
