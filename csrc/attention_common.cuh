@@ -273,10 +273,12 @@ __device__ __forceinline__ void row_place(const AttnParams& p, const ReqInfo& rq
 }
 
 // The tile [i0, i1)'s share of keys for split blockIdx.y: [start, end), BN-aligned from lo (with
-// split_keys: the split's absolute keys, BN-aligned from 0);
+// split_keys: the split's absolute keys, BN-aligned from 0, so the first tile may start below
+// lo: keys below ``begin`` are then zero-filled like those past end, and a stale NaN there
+// cannot reach a sum);
 // returns the number of BN-key steps (start and end are meaningful only when it is > 0).
 __device__ __forceinline__ int tile_keys(const AttnParams& p, const ReqInfo& rq, int i0, int i1,
-                                         int bn, int& start, int& end) {
+                                         int bn, int& start, int& end, int& begin) {
   int64_t lo, hi, lo_last, hi_last;
   visible_keys(p, rq.seq, rq.pos0 + i0 / p.g, lo, hi);
   visible_keys(p, rq.seq, rq.pos0 + (i1 - 1) / p.g, lo_last, hi_last);
@@ -295,6 +297,7 @@ __device__ __forceinline__ int tile_keys(const AttnParams& p, const ReqInfo& rq,
   }
   if (s0 >= e0) return 0;
   start = static_cast<int>(s0);  // 0 <= start < end <= seq_len < 2^31
+  begin = static_cast<int>(lo);  // keys below lo: no row of the tile sees them (zero-filled)
   end = static_cast<int>(e0);
   return static_cast<int>((e0 - s0 + bn - 1) / bn);
 }
@@ -338,13 +341,14 @@ __device__ __forceinline__ void load_q_tile(const AttnParams& p, const ReqInfo& 
   }
 }
 
-// Keys [n0, n0 + BN) into a stage: K and V rows gathered through the block table; a key past
-// `end` or in a block outside [0, num_blocks) is zero-filled and flagged 0 in ok_dst. One key
+// Keys [n0, n0 + BN) into a stage: K and V rows gathered through the block table; a key below
+// `begin`, past `end` or in a block outside [0, num_blocks) is zero-filled and flagged 0 in
+// ok_dst. One key
 // row per group of TPR = 128 / BN threads (one block-table read a thread).
 template <class E, class T>
 __device__ __forceinline__ void load_kv_tile(const AttnParams& p, const int32_t* bt_row, int kvh,
-                                             int n0, int end, char* k_dst, char* v_dst,
-                                             uint8_t* ok_dst) {
+                                             int n0, int begin, int end, char* k_dst,
+                                             char* v_dst, uint8_t* ok_dst) {
   using Bits = typename E::Bits;
   constexpr int EPC = 16 / static_cast<int>(sizeof(Bits));
   constexpr int TPR = kThreads / T::BN, CPT = T::DC / TPR;
@@ -353,7 +357,7 @@ __device__ __forceinline__ void load_kv_tile(const AttnParams& p, const int32_t*
   const int64_t j = static_cast<int64_t>(n0) + r;
   bool ok = false;
   int64_t ko = 0, vo = 0;
-  if (j < end) {  // end <= seq_len <= M * block_size: j / block_size < M
+  if (j >= begin && j < end) {  // end <= seq_len <= M * block_size: j / block_size < M
     const uint32_t jj = static_cast<uint32_t>(j);
     const uint32_t bi = p.div_bs.div(jj);
     const int64_t br = jj - bi * p.div_bs.d;

@@ -89,8 +89,8 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   for (int i0 = 0; i0 < rq.nrows; i0 += T::BM) {
     const int i1 = min(i0 + T::BM, rq.nrows);
-    int start = 0, end = 0;
-    const int nkt = tile_keys(p, rq, i0, i1, BN, start, end);
+    int start = 0, end = 0, begin = 0;
+    const int nkt = tile_keys(p, rq, i0, i1, BN, start, end, begin);
     const int wrow = i0 + warp * 16;
     const bool active = wrow < i1;  // warp-uniform
     const RowKeys rk0 = row_keys(p, rq, wrow + g), rk1 = row_keys(p, rq, wrow + g + 8);
@@ -105,7 +105,8 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
       for (int ps = 0; ps < S - 1; ++ps) {
         if (ps < nkt) {
-          load_kv_tile<E, T>(p, bt_row, kvh, start + ps * BN, end, kv_s + 2 * ps * T::KV_BYTES,
+          load_kv_tile<E, T>(p, bt_row, kvh, start + ps * BN, begin, end,
+                             kv_s + 2 * ps * T::KV_BYTES,
                              kv_s + (2 * ps + 1) * T::KV_BYTES, ok_s + ps * BN);
         }
         cp_async_commit();
@@ -114,7 +115,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         const int st = kt % S;
         if (kt + S - 1 < nkt) {  // into the stage computed last iteration (freed by its sync)
           const int ns = (kt + S - 1) % S;
-          load_kv_tile<E, T>(p, bt_row, kvh, start + (kt + S - 1) * BN, end,
+          load_kv_tile<E, T>(p, bt_row, kvh, start + (kt + S - 1) * BN, begin, end,
                              kv_s + 2 * ns * T::KV_BYTES, kv_s + (2 * ns + 1) * T::KV_BYTES,
                              ok_s + ns * BN);
         }
@@ -276,8 +277,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   for (int i0 = 0; i0 < rq.nrows; i0 += T::BM) {
     const int i1 = min(i0 + T::BM, rq.nrows);
-    int start = 0, end = 0;
-    const int nkt = tile_keys(p, rq, i0, i1, BN, start, end);
+    int start = 0, end = 0, begin = 0;
+    const int nkt = tile_keys(p, rq, i0, i1, BN, start, end, begin);
     const int wrow = i0 + warp * RW;
     const bool active = wrow < i1;
     int lo[RW], hi[RW];
@@ -299,13 +300,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     if (nkt > 0) {
       load_q_tile<F32, T>(p, rq, kvh, i0, q_c);
-      load_kv_tile<F32, T>(p, bt_row, kvh, start, end, kv_c, kv_c + T::KV_BYTES, ok_s);
+      load_kv_tile<F32, T>(p, bt_row, kvh, start, begin, end, kv_c, kv_c + T::KV_BYTES, ok_s);
       cp_async_commit();
       for (int kt = 0; kt < nkt; ++kt) {
         const int st = kt & 1;
         if (kt + 1 < nkt) {
           const int ns = st ^ 1;
-          load_kv_tile<F32, T>(p, bt_row, kvh, start + (kt + 1) * BN, end,
+          load_kv_tile<F32, T>(p, bt_row, kvh, start + (kt + 1) * BN, begin, end,
                                kv_c + 2 * ns * T::KV_BYTES, kv_c + (2 * ns + 1) * T::KV_BYTES,
                                ok_s + ns * BN);
         }

@@ -7,7 +7,8 @@ bit against the full call:
 * each request alone (its table row, the same width), its block of queries as in the full call;
 * causal modes: every query row as a one-query call at its own position (seq_len = position +
   1: the same visible keys), the verify-vs-decode case of speculative decoding.
-The full call is also checked against the torch reference (the tolerance rule). The same checks
+The full call is also checked against the torch reference (the tolerance rule); NaN in keys
+before every query's window (read by the absolute tiles, zero-filled) must not reach the output. The same checks
 with ``split_keys=0`` (splits chosen from the shapes) must find a difference somewhere in the
 one-query comparison, so the comparison can fail. CPU: the Triton kernel under the interpreter
 (fp32, fp16), bit for bit where the row's place in the kernel's tile is the same (numpy's
@@ -90,6 +91,27 @@ def invariance(device, dtype, backend, mode, split_keys, d=64, hkv=2, ratio=4, s
     return compared, differ
 
 
+def nan_before_window(device, dtype, backend, split_keys=64):
+    """Keys no query sees (before every query's window) hold NaN: the split_keys tiles start
+    at absolute multiples of the tile width, below the window, and must not let them in."""
+    torch.manual_seed(5)
+    q, kc, vc, table, seq_lens, qsl = paged_case(SEQ, QLEN, 16, 2, 8, 64, dtype)
+    window = 20
+    args = [q, kc, vc, table, seq_lens, qsl, 0.125, True, window, None]
+    dev = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+    clean = _call(backend, *dev, split_keys).cpu()
+    kc_d, vc_d = dev[1].clone(), dev[2].clone()
+    for b, (s, n) in enumerate(zip(SEQ, QLEN)):
+        first_seen = s - n - window + 1  # the first query's window starts here
+        for j in range(max(first_seen, 0)):
+            blk = int(table[b, j // 16])
+            kc_d[blk, j % 16] = float("nan")
+            vc_d[blk, j % 16] = float("nan")
+    dirty = _call(backend, dev[0], kc_d, vc_d, *dev[3:], split_keys).cpu()
+    assert not dirty.isnan().any(), f"{backend} {dtype}: NaN from keys before the window"
+    assert torch.equal(dirty, clean), f"{backend} {dtype}: keys before the window changed rows"
+
+
 MODES = ("noncausal", "causal", "window_causal", "sinks_causal_window")
 
 
@@ -104,6 +126,7 @@ def check(device, dtypes, backends, split_keys_list=(64, 128)):
             # the widest table split_keys 64 allows: 2048 keys, 32 splits (the combine's limit)
             n, bad = invariance(device, dtype, backend, "causal", 64, pad_blocks=128 - 35)
             assert bad == 0, f"{backend} {dtype} 32 splits: {bad} of {n} rows differ"
+            nan_before_window(device, dtype, backend)
             # the control: shape-chosen splits part a decode row from its verify row somewhere
             n, bad = invariance(device, dtype, backend, "causal", 0)
             assert bad > 0, f"{backend} {dtype}: split_keys=0 matched on all {n} rows: the " \

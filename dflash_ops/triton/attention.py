@@ -146,7 +146,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, qsl_ptr, sink_ptr, out_ptr
         blk_next = tl.load(bt_row + (start + jn) // BS, mask=start + jn < end, other=-1)
         for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
             j = n0 + jn
-            jm = j < end
+            jm = (j < end) & (j >= lo)  # below lo: a split_keys tile's lead, seen by no row
             blk = blk_next
             ahead = j + BLOCK_N
             blk_next = tl.load(bt_row + ahead // BS, mask=ahead < end, other=-1)
