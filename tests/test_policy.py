@@ -259,7 +259,7 @@ def test_costs_outlive_the_call(monkeypatch):
     prompts = counter_prompts(2, vocab=SMALL["vocab"], lengths=(70, 75), seed=1)
     speculative_generate(target, drafter, prompts, 20, steps="direct")
     (key, mem), = loop.policy_memory(drafter).items()
-    assert key == (id(target), "direct", False, (1, 8))
+    assert key == (id(target), "direct", False, (1, 8), False)
     assert {b for b, _ in mem.cost} == {1, 8} and all(mem.cost.values()) and len(mem.warm) == 2
     assert mem.pair[1] > 0 and mem.pair[0] / mem.pair[1] > 0.9  # every draft accepted
     seen = []

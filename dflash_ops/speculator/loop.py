@@ -219,9 +219,9 @@ class _Steps:
         self._held = []
 
 
-# drafter -> {(id(target), steps, sampling, blocks): PolicyMemory}: the policy's measured step
-# costs and the pair's acceptance, kept for the next call on the same pair
-# (a warm-up call measures them)
+# drafter -> {(id(target), steps, sampling, blocks, exact): PolicyMemory}: the policy's measured
+# step costs and the pair's acceptance, kept for the next call on the same pair (a warm-up call
+# measures them; exact mode's steps cost other times)
 _POLICY_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -355,7 +355,8 @@ def _speculative_generate(target, drafter, prompts, max_new_tokens, stop_token_i
         pol = None
         if len(blocks) > 1:  # step costs remembered per drafter across calls
             mem = _POLICY_COSTS.setdefault(drafter, {}).setdefault(
-                (id(target), steps, sampling is not None, tuple(blocks)), PolicyMemory())
+                (id(target), steps, sampling is not None, tuple(blocks),
+                 bool(getattr(target, "exact", False))), PolicyMemory())
             pol = Policy(blocks, n, memory=mem,
                          decode_tokens=its[1].steps if 1 in its else 1)
         lengths = [len(p) + 1 for p in prompts]  # each request's positions, on the host
