@@ -119,16 +119,63 @@ struct ConvNormParams {
 
 constexpr int kNormThreads = 256;
 
-__device__ __forceinline__ float block_sum256(float v, float* smem) {
+__device__ __forceinline__ float block_sum(float v, float* smem) {  // blockDim.x % 32 == 0
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   if (lane == 0) smem[warp] = v;
   __syncthreads();
   float s = 0.0f;
-#pragma unroll
-  for (int i = 0; i < kNormThreads / 32; ++i) s += smem[i];
+  for (int i = 0; i < warps; ++i) s += smem[i];
   return s;
+}
+
+// Row t's channels [c, c + VEC): their convolution over the row's `taps` taps (rounded to the
+// dtype) added into r, the residual pack (rounded); returns the new residual's sum of squares.
+template <class E, int VEC, bool ONE_GROUP, class P>
+__device__ __forceinline__ float conv_add_pack(const ConvParams& p, int64_t t, int taps,
+                                               int64_t c, P& r) {
+  using Bits = typename E::Bits;
+  const Bits* xb = static_cast<const Bits*>(p.x);
+  const Bits* bb = static_cast<const Bits*>(p.base);
+  const Bits* db = static_cast<const Bits*>(p.dyn) + t * p.sd_t;
+  float acc[VEC];
+#pragma unroll
+  for (int v = 0; v < VEC; ++v) acc[v] = 0.0f;
+  for (int o = 0; o < taps; ++o) {
+    const P xv = load_pack_ro<P>(xb + (t - o) * p.sx + c);
+    const P bv = load_pack_ro<P>(bb + o * p.sb + c);
+    const Bits* drow = db + o * p.sd_k;
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) {
+      const int g = ONE_GROUP ? static_cast<int>(c) / p.group
+                              : (static_cast<int>(c) + v) / p.group;
+      const float w = __fadd_rn(E::to_float(bv.e[v]), E::to_float(__ldg(drow + g)));
+      acc[v] = __fadd_rn(acc[v], __fmul_rn(w, E::to_float(xv.e[v])));
+    }
+  }
+  float ss = 0.0f;
+#pragma unroll
+  for (int v = 0; v < VEC; ++v) {
+    const float conv = E::to_float(E::from_float(acc[v]));  // c rounded to the dtype
+    r.e[v] = E::from_float(__fadd_rn(E::to_float(r.e[v]), conv));
+    const float rf = E::to_float(r.e[v]);
+    ss = __fmaf_rn(rf, rf, ss);
+  }
+  return ss;
+}
+
+// RMSNorm's output numerics: (residual * rstd) rounded, times the weight, rounded.
+template <class E, int VEC>
+__device__ __forceinline__ Pack<typename E::Bits, VEC> norm_pack(
+    const Pack<typename E::Bits, VEC>& r, const Pack<typename E::Bits, VEC>& w, float rstd) {
+  Pack<typename E::Bits, VEC> out;
+#pragma unroll
+  for (int v = 0; v < VEC; ++v) {
+    const float n = E::to_float(E::from_float(__fmul_rn(E::to_float(r.e[v]), rstd)));
+    out.e[v] = E::from_float(__fmul_rn(n, E::to_float(w.e[v])));
+  }
+  return out;
 }
 
 template <class E, int VEC, bool ONE_GROUP>
@@ -140,51 +187,18 @@ __global__ void __launch_bounds__(kNormThreads) conv_add_rms_norm_kernel(const C
   const int64_t t = blockIdx.x;
   const int pos = static_cast<int>(t % p.block);
   const int taps = pos + 1 < p.k ? pos + 1 : p.k;
-  const Bits* xb = static_cast<const Bits*>(p.x);
-  const Bits* db = static_cast<const Bits*>(p.dyn);
-  const Bits* bb = static_cast<const Bits*>(p.base);
   Bits* rb = static_cast<Bits*>(q.res) + t * q.sr;
   float ss = 0.0f;
   for (int64_t c = int64_t(threadIdx.x) * VEC; c < p.h; c += int64_t(kNormThreads) * VEC) {
-    float acc[VEC];
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) acc[v] = 0.0f;
-    for (int o = 0; o < taps; ++o) {
-      const P xv = load_pack_ro<P>(xb + (t - o) * p.sx + c);
-      const P bv = load_pack_ro<P>(bb + o * p.sb + c);
-      const Bits* drow = db + t * p.sd_t + o * p.sd_k;
-#pragma unroll
-      for (int v = 0; v < VEC; ++v) {
-        const int g = ONE_GROUP ? static_cast<int>(c) / p.group
-                                : (static_cast<int>(c) + v) / p.group;
-        const float d = E::to_float(__ldg(drow + g));
-        const float w = __fadd_rn(E::to_float(bv.e[v]), d);
-        acc[v] = __fadd_rn(acc[v], __fmul_rn(w, E::to_float(xv.e[v])));
-      }
-    }
     P r = load_pack<P>(rb + c);
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) {
-      const float conv = E::to_float(E::from_float(acc[v]));  // c rounded to the dtype
-      r.e[v] = E::from_float(__fadd_rn(E::to_float(r.e[v]), conv));
-      const float rf = E::to_float(r.e[v]);
-      ss = __fmaf_rn(rf, rf, ss);
-    }
+    ss += conv_add_pack<E, VEC, ONE_GROUP>(p, t, taps, c, r);
     store_pack(rb + c, r);
   }
-  const float rstd = rsqrtf(block_sum256(ss, smem) * q.inv_h + q.eps);
+  const float rstd = rsqrtf(block_sum(ss, smem) * q.inv_h + q.eps);
   const Bits* wb = static_cast<const Bits*>(q.w);
   Bits* ob = static_cast<Bits*>(p.y) + t * q.so;
   for (int64_t c = int64_t(threadIdx.x) * VEC; c < p.h; c += int64_t(kNormThreads) * VEC) {
-    const P r = load_pack<P>(rb + c);
-    const P wv = load_pack_ro<P>(wb + c);
-    P out;
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) {
-      const float n = E::to_float(E::from_float(__fmul_rn(E::to_float(r.e[v]), rstd)));
-      out.e[v] = E::from_float(__fmul_rn(n, E::to_float(wv.e[v])));
-    }
-    store_pack(ob + c, out);
+    store_pack(ob + c, norm_pack<E, VEC>(load_pack<P>(rb + c), load_pack_ro<P>(wb + c), rstd));
   }
 }
 
@@ -194,17 +208,6 @@ __global__ void __launch_bounds__(kNormThreads) conv_add_rms_norm_kernel(const C
 // the reduction). One load round trip, one block reduction, one store: at the drafter's T 8-64
 // rows the loop kernel above waits on a chain of them (three 2048-channel passes, then the
 // residual again).
-__device__ __forceinline__ float block_sum_any(float v, float* smem) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  if (lane == 0) smem[warp] = v;
-  __syncthreads();
-  float s = 0.0f;
-  for (int i = 0; i < warps; ++i) s += smem[i];
-  return s;
-}
-
 template <class E, int VEC, bool ONE_GROUP, int NV>
 __global__ void __launch_bounds__(1024) conv_add_rms_norm_reg_kernel(const ConvNormParams q) {
   using Bits = typename E::Bits;
@@ -214,9 +217,6 @@ __global__ void __launch_bounds__(1024) conv_add_rms_norm_reg_kernel(const ConvN
   const int64_t t = blockIdx.x;
   const int pos = static_cast<int>(t % p.block);
   const int taps = pos + 1 < p.k ? pos + 1 : p.k;
-  const Bits* xb = static_cast<const Bits*>(p.x);
-  const Bits* db = static_cast<const Bits*>(p.dyn);
-  const Bits* bb = static_cast<const Bits*>(p.base);
   const Bits* wb = static_cast<const Bits*>(q.w);
   Bits* rb = static_cast<Bits*>(q.res) + t * q.sr;
   P r[NV], wv[NV];
@@ -227,44 +227,15 @@ __global__ void __launch_bounds__(1024) conv_add_rms_norm_reg_kernel(const ConvN
     if (c >= p.h) continue;
     r[i] = load_pack<P>(rb + c);
     wv[i] = load_pack_ro<P>(wb + c);
-    float acc[VEC];
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) acc[v] = 0.0f;
-    for (int o = 0; o < taps; ++o) {
-      const P xv = load_pack_ro<P>(xb + (t - o) * p.sx + c);
-      const P bv = load_pack_ro<P>(bb + o * p.sb + c);
-      const Bits* drow = db + t * p.sd_t + o * p.sd_k;
-#pragma unroll
-      for (int v = 0; v < VEC; ++v) {
-        const int g = ONE_GROUP ? static_cast<int>(c) / p.group
-                                : (static_cast<int>(c) + v) / p.group;
-        const float d = E::to_float(__ldg(drow + g));
-        const float w = __fadd_rn(E::to_float(bv.e[v]), d);
-        acc[v] = __fadd_rn(acc[v], __fmul_rn(w, E::to_float(xv.e[v])));
-      }
-    }
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) {
-      const float conv = E::to_float(E::from_float(acc[v]));  // c rounded to the dtype
-      r[i].e[v] = E::from_float(__fadd_rn(E::to_float(r[i].e[v]), conv));
-      const float rf = E::to_float(r[i].e[v]);
-      ss = __fmaf_rn(rf, rf, ss);
-    }
+    ss += conv_add_pack<E, VEC, ONE_GROUP>(p, t, taps, c, r[i]);
     store_pack(rb + c, r[i]);
   }
-  const float rstd = rsqrtf(block_sum_any(ss, smem) * q.inv_h + q.eps);
+  const float rstd = rsqrtf(block_sum(ss, smem) * q.inv_h + q.eps);
   Bits* ob = static_cast<Bits*>(p.y) + t * q.so;
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
     const int64_t c = (int64_t(threadIdx.x) + int64_t(i) * blockDim.x) * VEC;
-    if (c >= p.h) continue;
-    P out;
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) {
-      const float n = E::to_float(E::from_float(__fmul_rn(E::to_float(r[i].e[v]), rstd)));
-      out.e[v] = E::from_float(__fmul_rn(n, E::to_float(wv[i].e[v])));
-    }
-    store_pack(ob + c, out);
+    if (c < p.h) store_pack(ob + c, norm_pack<E, VEC>(r[i], wv[i], rstd));
   }
 }
 
