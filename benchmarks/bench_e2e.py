@@ -4,8 +4,8 @@ floors, the implied speedup, GPU idle time and host syncs. A wrapper over
 ``dflash-ops bench e2e``; what is measured and how: ``dflash_ops/bench/e2e.py``'s docstring (the
 formulas and tables: ``dflash_ops/bench/e2e_report.py``'s).
 
-    python benchmarks/bench_e2e.py [--quick] [--cases 1x1024,64x8k] [--mem-gb 120] [--no-loop]
-                                   [--out DIR] [--no-plot]
+    python benchmarks/bench_e2e.py [--quick] [--exact] [--cases 1x1024,64x8k] [--mem-gb 120]
+                                   [--no-loop] [--out DIR] [--no-plot]
 
 Needs a CUDA GPU with ~111 GB free for the largest default case (B 64 x S 8192; smaller budgets
 skip the cases that do not fit). Full run ~3-4 minutes on an H200 (estimate), --quick ~1.5.
@@ -29,6 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mem-gb", type=float, default=None,
                    help="skip cases whose estimated memory exceeds this (default 120; sets "
                         "DFLASH_OPS_BENCH_E2E_MEM_GB)")
+    p.add_argument("--exact", action="store_true",
+                   help="also verify, iteration and decode in exact mode, beside the default")
     p.add_argument("--no-loop", action="store_true",
                    help="skip the speculative_generate run (host syncs from the real loop)")
     p.add_argument("--out", default=None, help="results directory (default ./benchmarks/results)")
@@ -54,7 +56,7 @@ def _main() -> int:
         os.environ[ENV_MEM] = str(a.mem_gb)
     if a.no_loop:
         os.environ[ENV_LOOP] = "0"
-    rest = ["--quick"] * a.quick + ["--no-plot"] * a.no_plot
+    rest = ["--quick"] * a.quick + ["--exact"] * a.exact + ["--no-plot"] * a.no_plot
     rest += ["--out", a.out] if a.out else []
     return main(["e2e", *rest])
 

@@ -20,6 +20,7 @@
 // loads instead of cp.async (same kernel, a uniform branch).
 #include "dflash_ops.h"
 
+#include "attention_hopper.cuh"
 #include "attention_kernels.cuh"
 #include "checks.h"
 #include "register.h"
@@ -32,9 +33,15 @@
 #include <torch/library.h>
 
 #include <cuda_runtime.h>
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
 #include <initializer_list>
 #include <limits>
 #include <optional>
@@ -164,6 +171,139 @@ bool rows_aligned(const at::Tensor& t, std::initializer_list<int> dims) {
   return true;
 }
 
+// ---------------------------------------------------------------------------------------------
+// The Hopper kernel (attention_hopper.cuh): when it runs, and its tensor maps.
+
+// Whether this binary holds attn_wgmma_kernel's sm_90a body for the current device: a build
+// without sm_90a (or another GPU) gets the one-warp stub, or no image at all.
+bool wgmma_built(int device) {
+  static std::array<std::atomic<int>, 64> known{};  // 0 unknown, 1 yes, 2 no
+  if (device < 0 || device >= 64) return false;
+  int v = known[device].load();
+  if (v == 0) {
+    cudaFuncAttributes a{};
+    const bool ok = cudaFuncGetAttributes(&a, attn_wgmma_kernel<BF16, 128>) == cudaSuccess &&
+                    a.maxThreadsPerBlock >= kWgThreads;
+    if (!ok) (void)cudaGetLastError();  // "no kernel image": not an error of ours
+    v = ok ? 1 : 2;
+    known[device].store(v);
+  }
+  return v == 1;
+}
+
+// A cache's byte stride of dim `dim`: what TMA needs (multiples of 16 bytes, < 2^40); a dim of
+// size 1 is never stepped, so any valid stride does.
+int64_t tma_stride(const at::Tensor& c, int dim) {
+  return c.size(dim) > 1 ? c.stride(dim) * c.element_size() : 16;
+}
+
+bool tma_cache_ok(const at::Tensor& c) {
+  if (!aligned16(c.data_ptr()) || c.size(0) > (int64_t{1} << 32)) return false;
+  for (int dim = 0; dim < 3; ++dim) {
+    const int64_t st = tma_stride(c, dim);
+    if (st <= 0 || st % 16 != 0 || st >= (int64_t{1} << 40)) return false;
+  }
+  return true;
+}
+
+// Why the Hopper kernel cannot take a call (nullptr: it can): bf16 / fp16, D 64 / 128,
+// power-of-two pages of >= 8 rows, caches TMA can address, an sm_90a build on an sm_90 GPU.
+const char* wgmma_refusal(const at::Tensor& q, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache) {
+  const int64_t d = q.size(2), bs = k_cache.size(1);
+  if (q.scalar_type() != at::kBFloat16 && q.scalar_type() != at::kHalf) return "q not bf16/fp16";
+  if (d != 64 && d != 128) return "head_dim not 64 or 128";
+  if (bs < 8 || (bs & (bs - 1)) != 0) return "block_size not a power of two >= 8";
+  if (!tma_cache_ok(k_cache) || !tma_cache_ok(v_cache)) {
+    return "a cache's base or strides not on 16 bytes";
+  }
+  if (!wgmma_built(static_cast<int>(q.get_device()))) return "no sm_90a build for this GPU";
+  return nullptr;
+}
+
+// DFLASH_OPS_ATTN_KERNEL: unset or "auto" (the Hopper kernel where it can run, else the
+// portable one), "mma" (the portable kernel), "wgmma" (the Hopper kernel, or an error saying
+// why not).
+bool use_wgmma(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  const char* env = std::getenv("DFLASH_OPS_ATTN_KERNEL");
+  const std::string force = env == nullptr ? "auto" : env;
+  TORCH_CHECK_VALUE(force == "auto" || force == "mma" || force == "wgmma",
+                    "dflash.block_attention: DFLASH_OPS_ATTN_KERNEL must be auto, mma or "
+                    "wgmma, got '", force, "'");
+  if (force == "mma") return false;
+  const char* why = wgmma_refusal(q, k_cache, v_cache);
+  TORCH_CHECK_VALUE(why == nullptr || force != "wgmma", "dflash.block_attention: "
+                    "DFLASH_OPS_ATTN_KERNEL=wgmma but the Hopper kernel cannot run this call: ",
+                    why);
+  return why == nullptr;
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult res{};
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000,
+                                                    cudaEnableDefault, &res));
+    TORCH_CHECK(res == cudaDriverEntryPointSuccess && f != nullptr,
+                "dflash.block_attention: the driver has no cuTensorMapEncodeTiled");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// [num_blocks, block_size, Hkv, D] as a 4-D tensor map, dims innermost first: (D, Hkv,
+// block_size, num_blocks), or (D, block_size, Hkv, num_blocks) when head_outer (the head stride
+// is the larger, as in vLLM's head-major cache); a box is 64 dims x one head x min(block_size,
+// 64) rows of one block, 128-byte swizzled.
+CUtensorMap make_kv_map(const at::Tensor& c, bool head_outer) {
+  const int64_t bs = c.size(1), rows = std::min<int64_t>(bs, 64);
+  cuuint64_t dims[4] = {static_cast<cuuint64_t>(c.size(3)), 0, 0,
+                        static_cast<cuuint64_t>(c.size(0))};
+  cuuint64_t strides[3] = {0, 0, static_cast<cuuint64_t>(tma_stride(c, 0))};
+  cuuint32_t box[4] = {64, 1, 1, 1};
+  const cuuint32_t unit[4] = {1, 1, 1, 1};
+  const int inner = head_outer ? 1 : 2, outer = head_outer ? 2 : 1;  // dims of c
+  dims[1] = static_cast<cuuint64_t>(c.size(inner));
+  dims[2] = static_cast<cuuint64_t>(c.size(outer));
+  strides[0] = static_cast<cuuint64_t>(tma_stride(c, inner));
+  strides[1] = static_cast<cuuint64_t>(tma_stride(c, outer));
+  box[head_outer ? 1 : 2] = static_cast<cuuint32_t>(rows);
+  CUtensorMap map;
+  std::memset(&map, 0, sizeof(map));
+  const CUresult r = tensor_map_encoder()(
+      &map,
+      c.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                       : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+      4, c.data_ptr(), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(r == CUDA_SUCCESS, "dflash.block_attention: cuTensorMapEncodeTiled failed (",
+              static_cast<int>(r), ") for a cache of shape ", py_list(c.sizes()), " strides ",
+              py_list(c.strides()));
+  return map;
+}
+
+template <class E, int D>
+void launch_combine(const AttnParams& p, cudaStream_t stream) {
+  if (p.splits > 1) {
+    const unsigned blocks = static_cast<unsigned>((p.rows + kCombineRows - 1) / kCombineRows);
+    combine_kernel<E, D><<<blocks, 32 * kCombineRows, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+template <class E, int D>
+void launch_wgmma(const AttnParams& p, const WgMaps& maps, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(p.batch) * static_cast<unsigned>(p.hkv),
+                  static_cast<unsigned>(p.splits));
+  constexpr int smem = WgTile<D>::SMEM;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(attn_wgmma_kernel<E, D>,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  attn_wgmma_kernel<E, D><<<grid, kWgThreads, smem, stream>>>(p, maps);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_combine<E, D>(p, stream);
+}
+
 template <class E, int D>
 void launch(const AttnParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.batch) * static_cast<unsigned>(p.hkv),
@@ -184,11 +324,7 @@ void launch(const AttnParams& p, cudaStream_t stream) {
     attn_mma_kernel<E, D><<<grid, kThreads, smem, stream>>>(p);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (p.splits > 1) {
-    const unsigned blocks = static_cast<unsigned>((p.rows + kCombineRows - 1) / kCombineRows);
-    combine_kernel<E, D><<<blocks, 32 * kCombineRows, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
+  launch_combine<E, D>(p, stream);
 }
 
 template <class E>
@@ -280,6 +416,19 @@ void run(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_
   p.kv_vec = rows_aligned(k_cache, {0, 1, 2}) && rows_aligned(v_cache, {0, 1, 2});
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
+  if (use_wgmma(q, k_cache, v_cache)) {
+    const bool head_outer = k_cache.stride(2) > k_cache.stride(1);
+    const WgMaps maps{make_kv_map(k_cache, head_outer), make_kv_map(v_cache, head_outer),
+                      head_outer ? 1 : 0};
+    const bool bf = q.scalar_type() == at::kBFloat16;
+    if (d == 64) {
+      bf ? launch_wgmma<BF16, 64>(p, maps, stream) : launch_wgmma<F16, 64>(p, maps, stream);
+    } else {
+      bf ? launch_wgmma<BF16, 128>(p, maps, stream) : launch_wgmma<F16, 128>(p, maps, stream);
+    }
+    if (!out_direct) out.copy_(o);
+    return;
+  }
   switch (q.scalar_type()) {
     case at::kBFloat16: launch_dtype<BF16>(p, d, stream); break;
     case at::kHalf: launch_dtype<F16>(p, d, stream); break;

@@ -272,13 +272,14 @@ __device__ __forceinline__ void row_place(const AttnParams& p, const ReqInfo& rq
   flat = t * p.hq + h;
 }
 
-// The tile [i0, i1)'s share of keys for split blockIdx.y: [start, end), BN-aligned from lo (with
-// split_keys: the split's absolute keys, BN-aligned from 0, so the first tile may start below
-// lo: keys below ``begin`` are then zero-filled like those past end, and a stale NaN there
-// cannot reach a sum);
+// The tile [i0, i1)'s share of keys for split blockIdx.y: [start, end), BN-aligned from lo, or
+// from lo rounded down to a multiple of bn when `align` (with split_keys: the split's absolute
+// keys, BN-aligned from 0): the first tile may then start below lo, and keys below ``begin``
+// are zero-filled like those past end, so a stale NaN there cannot reach a sum;
 // returns the number of BN-key steps (start and end are meaningful only when it is > 0).
 __device__ __forceinline__ int tile_keys(const AttnParams& p, const ReqInfo& rq, int i0, int i1,
-                                         int bn, int& start, int& end, int& begin) {
+                                         int bn, int& start, int& end, int& begin,
+                                         bool align = false) {
   int64_t lo, hi, lo_last, hi_last;
   visible_keys(p, rq.seq, rq.pos0 + i0 / p.g, lo, hi);
   visible_keys(p, rq.seq, rq.pos0 + (i1 - 1) / p.g, lo_last, hi_last);
@@ -289,10 +290,11 @@ __device__ __forceinline__ int tile_keys(const AttnParams& p, const ReqInfo& rq,
     s0 = max(a, lo / bn * bn);  // lo >= 0; a tile before a row's first key is masked for it
     e0 = min(hi_last, a + p.split_keys);
   } else {
-    const int64_t span = max(hi_last - lo, int64_t{0});
+    const int64_t from = align ? lo / bn * bn : lo;
+    const int64_t span = max(hi_last - from, int64_t{0});
     const int64_t per = (span + p.splits - 1) / p.splits;
     const int64_t chunk = (per + bn - 1) / bn * bn;
-    s0 = lo + static_cast<int64_t>(blockIdx.y) * chunk;
+    s0 = from + static_cast<int64_t>(blockIdx.y) * chunk;
     e0 = min(hi_last, s0 + chunk);
   }
   if (s0 >= e0) return 0;
@@ -425,6 +427,111 @@ __device__ void zero_unowned(const AttnParams& p, int b, int kvh) {
 __device__ __forceinline__ float sink_factor(const AttnParams& p, int64_t h, float lse2) {
   const float sink2 = __ldg(p.sinks + h * p.sk_st) * kLog2e;
   return 1.f / (1.f + ex2(sink2 - lse2));
+}
+
+// One key tile of a warp's 16 rows in the mma accumulator layout (rows g and g + 8 of the warp,
+// columns 8n + 2tig + {0, 1}): masks the scores (ok2(c): bit 0 / 1 for keys c / c + 1 of the
+// tile loaded; lo*, hi*: the rows' visible keys relative to the tile), scales them to the log2
+// domain, updates the running max m and sum l (this thread's columns; summed over the quad in
+// write_rows) and rescales O; s becomes P (unrounded).
+template <int NT, int DT, class Ok2>
+__device__ __forceinline__ void online_softmax(float (&s)[NT][4], float (&o)[DT][4],
+                                               const Ok2& ok2, int tig, int lo0, int hi0,
+                                               int lo1, int hi1, float scale2, float& m0,
+                                               float& m1, float& l0, float& l1) {
+  float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    const int c = n * 8 + 2 * tig;
+    const uint32_t okp = ok2(c);
+    const bool oka = (okp & 1u) != 0, okb = (okp & 2u) != 0;
+    s[n][0] = (oka && c >= lo0 && c < hi0) ? s[n][0] * scale2 : -INFINITY;
+    s[n][1] = (okb && c + 1 >= lo0 && c + 1 < hi0) ? s[n][1] * scale2 : -INFINITY;
+    s[n][2] = (oka && c >= lo1 && c < hi1) ? s[n][2] * scale2 : -INFINITY;
+    s[n][3] = (okb && c + 1 >= lo1 && c + 1 < hi1) ? s[n][3] * scale2 : -INFINITY;
+    mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
+    mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
+  }
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+  // m -> max(m, tile max); l and O rescaled by 2^(m_old - m_new)
+  const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+  const float ms0 = mn0 == -INFINITY ? 0.f : mn0;
+  const float ms1 = mn1 == -INFINITY ? 0.f : mn1;
+  const float al0 = ex2(m0 - ms0), al1 = ex2(m1 - ms1);
+  m0 = mn0;
+  m1 = mn1;
+  float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    s[n][0] = ex2(s[n][0] - ms0);
+    s[n][1] = ex2(s[n][1] - ms0);
+    s[n][2] = ex2(s[n][2] - ms1);
+    s[n][3] = ex2(s[n][3] - ms1);
+    ps0 += s[n][0] + s[n][1];
+    ps1 += s[n][2] + s[n][3];
+  }
+  l0 = l0 * al0 + ps0;
+  l1 = l1 * al1 + ps1;
+#pragma unroll
+  for (int n = 0; n < DT; ++n) {
+    o[n][0] *= al0;
+    o[n][1] *= al0;
+    o[n][2] *= al1;
+    o[n][3] *= al1;
+  }
+}
+
+// The epilogue of a warp's rows g (r = 0) and g + 8 (r = 1) in the mma accumulator layout:
+// splits == 1: O / l (times the sink factor) into out; else the normalised partial O (when the
+// CTA saw any key tile) and the log2-sum-exp into the split's slices.
+template <class E, int D>
+__device__ __forceinline__ void write_rows(const AttnParams& p, const ReqInfo& rq, int kvh,
+                                           int wrow, int i1, int g, int tig, bool any,
+                                           const float (&o)[D / 8][4], float m0, float m1,
+                                           float l0, float l1) {
+  using Bits = typename E::Bits;
+  constexpr bool kBF = IsBF16<E>::value;
+  constexpr int DT = D / 8;
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = wrow + g + 8 * r;
+    if (i >= i1) continue;
+    const float l = r ? l1 : l0, m = r ? m1 : m0;
+    const bool seen = l > 0.f;
+    float f = seen ? 1.f / l : 0.f;
+    const float lse2 = seen ? m + log2f(l) : -INFINITY;
+    if (p.splits == 1) {
+      int64_t off, flat;
+      row_place(p, rq, kvh, i, p.o_st_t, p.o_st_h, off, flat);
+      if (p.sinks != nullptr && seen) f *= sink_factor(p, flat % p.hq, lse2);
+      Bits* const dst = static_cast<Bits*>(p.out) + off + 2 * tig;
+#pragma unroll
+      for (int n = 0; n < DT; ++n) {
+        *reinterpret_cast<uint32_t*>(dst + n * 8) =
+            pack2<kBF>(o[n][2 * r] * f, o[n][2 * r + 1] * f);
+      }
+    } else {
+      int64_t off, flat;
+      row_place(p, rq, kvh, i, 0, 0, off, flat);
+      const int64_t prow = static_cast<int64_t>(blockIdx.y) * p.rows + flat;
+      if (any) {
+        float* const dst = p.part + prow * D + 2 * tig;
+#pragma unroll
+        for (int n = 0; n < DT; ++n) {
+          *reinterpret_cast<float2*>(dst + n * 8) =
+              make_float2(o[n][2 * r] * f, o[n][2 * r + 1] * f);
+        }
+      }
+      if (tig == 0) p.lse[prow] = lse2;
+    }
+  }
 }
 
 }  // namespace attention

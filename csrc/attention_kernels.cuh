@@ -65,7 +65,6 @@ __global__ void __launch_bounds__(kThreads, 2)
     attn_mma_kernel(const __grid_constant__ AttnParams p) {
   using T = MmaTile<D>;
   constexpr int S = T::STAGES;
-  using Bits = typename E::Bits;
   constexpr bool kBF = IsBF16<E>::value;
   constexpr int BN = T::BN, NT = BN / 8, DT = D / 8;
   extern __shared__ __align__(128) char smem[];
@@ -140,53 +139,16 @@ __global__ void __launch_bounds__(kThreads, 2)
               mma_16816<kBF>(s[2 * np + 1], a, kb[2], kb[3]);
             }
           }
-          // mask (hidden keys, keys past the split, causal / window per row), scale, row max
+          // mask (hidden keys, keys past the split, causal / window per row), online softmax
           const int n0 = start + kt * BN;  // < end
-          const int lo0 = rk0.lo - n0, hi0 = rk0.hi - n0, lo1 = rk1.lo - n0, hi1 = rk1.hi - n0;
           const uint8_t* const okt = ok_s + st * BN;
-          float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-          for (int n = 0; n < NT; ++n) {
-            const int c = n * 8 + 2 * tig;
-            const uint32_t okp = *reinterpret_cast<const uint16_t*>(okt + c);
-            const bool oka = (okp & 0xffu) != 0, okb = (okp >> 8) != 0;
-            s[n][0] = (oka && c >= lo0 && c < hi0) ? s[n][0] * p.scale2 : -INFINITY;
-            s[n][1] = (okb && c + 1 >= lo0 && c + 1 < hi0) ? s[n][1] * p.scale2 : -INFINITY;
-            s[n][2] = (oka && c >= lo1 && c < hi1) ? s[n][2] * p.scale2 : -INFINITY;
-            s[n][3] = (okb && c + 1 >= lo1 && c + 1 < hi1) ? s[n][3] * p.scale2 : -INFINITY;
-            mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
-            mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
-          }
-          mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-          mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-          mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-          mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-          // online softmax: m -> max(m, tile max); rescale l and O by 2^(m_old - m_new)
-          const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-          const float ms0 = mn0 == -INFINITY ? 0.f : mn0;
-          const float ms1 = mn1 == -INFINITY ? 0.f : mn1;
-          const float al0 = ex2(m0 - ms0), al1 = ex2(m1 - ms1);
-          m0 = mn0;
-          m1 = mn1;
-          float ps0 = 0.f, ps1 = 0.f;
-#pragma unroll
-          for (int n = 0; n < NT; ++n) {
-            s[n][0] = ex2(s[n][0] - ms0);
-            s[n][1] = ex2(s[n][1] - ms0);
-            s[n][2] = ex2(s[n][2] - ms1);
-            s[n][3] = ex2(s[n][3] - ms1);
-            ps0 += s[n][0] + s[n][1];
-            ps1 += s[n][2] + s[n][3];
-          }
-          l0 = l0 * al0 + ps0;  // this thread's columns only; summed over the quad at the end
-          l1 = l1 * al1 + ps1;
-#pragma unroll
-          for (int n = 0; n < DT; ++n) {
-            o[n][0] *= al0;
-            o[n][1] *= al0;
-            o[n][2] *= al1;
-            o[n][3] *= al1;
-          }
+          online_softmax(
+              s, o,
+              [&](int c) {
+                const uint32_t okp = *reinterpret_cast<const uint16_t*>(okt + c);
+                return ((okp & 0xffu) != 0 ? 1u : 0u) | ((okp >> 8) != 0 ? 2u : 0u);
+              },
+              tig, rk0.lo - n0, rk0.hi - n0, rk1.lo - n0, rk1.hi - n0, p.scale2, m0, m1, l0, l1);
           // O += P V (P rounded to q's dtype)
 #pragma unroll
           for (int kk = 0; kk < BN / 16; ++kk) {
@@ -208,44 +170,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
     }
 
-    // epilogue: rows g (r = 0) and g + 8 (r = 1) of the warp
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int i = wrow + g + 8 * r;
-      if (i >= i1) continue;
-      const float l = r ? l1 : l0, m = r ? m1 : m0;
-      const bool seen = l > 0.f;
-      float f = seen ? 1.f / l : 0.f;
-      const float lse2 = seen ? m + log2f(l) : -INFINITY;
-      if (p.splits == 1) {
-        int64_t off, flat;
-        row_place(p, rq, kvh, i, p.o_st_t, p.o_st_h, off, flat);
-        if (p.sinks != nullptr && seen) f *= sink_factor(p, flat % p.hq, lse2);
-        Bits* const dst = static_cast<Bits*>(p.out) + off + 2 * tig;
-#pragma unroll
-        for (int n = 0; n < DT; ++n) {
-          *reinterpret_cast<uint32_t*>(dst + n * 8) =
-              pack2<kBF>(o[n][2 * r] * f, o[n][2 * r + 1] * f);
-        }
-      } else {
-        int64_t off, flat;
-        row_place(p, rq, kvh, i, 0, 0, off, flat);
-        const int64_t prow = static_cast<int64_t>(blockIdx.y) * p.rows + flat;
-        if (nkt > 0) {
-          float* const dst = p.part + prow * D + 2 * tig;
-#pragma unroll
-          for (int n = 0; n < DT; ++n) {
-            *reinterpret_cast<float2*>(dst + n * 8) =
-                make_float2(o[n][2 * r] * f, o[n][2 * r + 1] * f);
-          }
-        }
-        if (tig == 0) p.lse[prow] = lse2;
-      }
-    }
+    write_rows<E, D>(p, rq, kvh, wrow, i1, g, tig, nkt > 0, o, m0, m1, l0, l1);
   }
 }
 

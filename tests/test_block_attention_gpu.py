@@ -5,6 +5,11 @@ Each GPU backend that has the op is forced in turn. Cases: the interpreter test'
 bf16/fp16 (every mask mode, GQA 1/4/8, D 64/128, splits 1/4/auto), D 256, a long request
 (4096 + 3 keys) next to short ones, a CUDA graph captured with one set of lengths and replayed
 with others, and a cache of more than 2^31 elements (64-bit offsets).
+
+The CUDA backend has two kernels (DFLASH_OPS_ATTN_KERNEL picks one): on an H100 / H200 the
+sm_90a kernel (TMA + wgmma) takes bf16 / fp16 calls with D 64 / 128 and pages of a power of two
+>= 8 keys, the portable one (mma.sync) the rest. The grid is run with each forced; the other
+tests run the automatic choice.
 """
 from __future__ import annotations
 
@@ -60,6 +65,58 @@ def test_cuda_grid(dtype):
     shape; splits_list only repeats the case with a fresh seed)."""
     _need("cuda")
     interp.check_block_attention(DEV, dtypes=(dtype,), splits_list=(1, 2), backend="cuda")
+
+
+# (block_size, GQA ratio, D): pages of one box a tile (64, 128) and several (8, 16), both D
+HOPPER_SHAPES = ((8, 4, 128), (16, 1, 64), (16, 8, 128), (64, 4, 128), (128, 4, 64))
+
+
+def _need_hopper():
+    _need("cuda")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip(f"the wgmma kernel needs an sm_90 GPU, this is "
+                    f"{torch.cuda.get_device_capability()}")
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+def test_cuda_wgmma_kernel_grid(dtype, monkeypatch):
+    """The sm_90a kernel forced (an error if it cannot take a call) over every mask mode, GQA
+    1/4/8, D 64/128, pages of 8-128 keys, head-major caches, poisoned outputs."""
+    _need_hopper()
+    monkeypatch.setenv("DFLASH_OPS_ATTN_KERNEL", "wgmma")
+    interp.check_block_attention(DEV, dtypes=(dtype,), splits_list=(1, 2),
+                                 shapes=HOPPER_SHAPES, backend="cuda")
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+def test_cuda_mma_kernel_grid(dtype, monkeypatch):
+    """The portable kernel forced on the shapes the sm_90a kernel would take."""
+    _need("cuda")
+    monkeypatch.setenv("DFLASH_OPS_ATTN_KERNEL", "mma")
+    interp.check_block_attention(DEV, dtypes=(dtype,), splits_list=(1,),
+                                 shapes=HOPPER_SHAPES[:3], backend="cuda")
+
+
+def test_cuda_kernel_choice_errors(monkeypatch):
+    """DFLASH_OPS_ATTN_KERNEL=wgmma on a call the kernel cannot take, or an unknown value: one
+    clear error naming the reason."""
+    _need_hopper()
+    q = torch.randn(16, 8, 128, device=DEV).to(BF16)
+    kc = torch.randn(8, 4, 2, 128, device=DEV).to(BF16)  # block_size 4
+    table = torch.arange(8, dtype=torch.int32, device=DEV)[None]
+    sl = torch.tensor([30], dtype=torch.int32, device=DEV)
+    qsl = torch.tensor([0, 16], dtype=torch.int32, device=DEV)
+    with dflash_ops.use_backend("cuda", ops=["block_attention"]):
+        monkeypatch.setenv("DFLASH_OPS_ATTN_KERNEL", "wgmma")
+        with pytest.raises(ValueError, match="block_size not a power of two >= 8"):
+            dflash_ops.block_attention(q, kc, kc, table, sl, qsl, 0.1)
+        with pytest.raises(ValueError, match="q not bf16/fp16"):
+            dflash_ops.block_attention(q.float(), kc.float(), kc.float(), table, sl, qsl, 0.1)
+        monkeypatch.setenv("DFLASH_OPS_ATTN_KERNEL", "fast")
+        with pytest.raises(ValueError, match="must be auto, mma or wgmma, got 'fast'"):
+            dflash_ops.block_attention(q, kc, kc, table, sl, qsl, 0.1)
+        monkeypatch.setenv("DFLASH_OPS_ATTN_KERNEL", "auto")  # the portable kernel takes it
+        assert torch.isfinite(dflash_ops.block_attention(q, kc, kc, table, sl, qsl, 0.1)).all()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

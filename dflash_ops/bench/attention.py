@@ -182,7 +182,8 @@ def run_table(res: Results, title: str, label: str, case: Case, cols, want, timi
 
 
 def _paged_cols(case: Case, flex_skip) -> list:
-    cols = [ours(case, "triton"), ours(case, "cuda")]
+    cols = [ours(case, "triton"), ours(case, "cuda"), ours(case, "cuda", kernel="mma"),
+            ours(case, "cuda", head_major=True)]
     for backend, _ in SDPA_BACKENDS:
         cols += [sdpa(backend, "heads"), sdpa(backend, "rows")]
     return cols + [flex_paged(case, skip=flex_skip), flex_contiguous(flex_skip)]
@@ -320,7 +321,11 @@ NOTES = [
     "+ q and out (2*B*16*Hq*D*2) + block table (B*S/16*4) + lengths; x floor = us / floor; "
     "the floor row's note gives FLOPs (4*B*16*Hq*keys*D, masks: per visible pair) at the "
     "bf16 GEMM rate of this run",
-    "ours triton / cuda: torch.ops.dflash.block_attention with the backend forced",
+    "ours triton / cuda: torch.ops.dflash.block_attention with the backend forced; cuda: "
+    "its automatic kernel choice (the sm_90a TMA + wgmma kernel on an H100 / H200), cuda mma: "
+    "the portable mma.sync kernel (DFLASH_OPS_ATTN_KERNEL=mma); head-major K|V: the same "
+    "values in vLLM's newest cache layout [blocks, Hkv, 16, 2*D], K and V side by side, "
+    "passed as strided views",
     "sdpa <backend>: F.scaled_dot_product_attention under sdpa_kernel(that backend only) on "
     "contiguous K/V [B, Hkv, S, D] gathered from the cache before timing (not timed: SDPA's "
     "best case); 'enable_gqa': q [B, Hq, 16, D] (torch documents GQA for flash and math "

@@ -9,6 +9,7 @@ FlexAttention paged or contiguous); see ``bench.attention`` for what each column
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import torch.nn.functional as F
@@ -150,15 +151,59 @@ class Col:
         self.missing, self.note, self.timed_note = missing, note, timed_note
 
 
-def ours(case: Case, backend: str, causal=False, window=-1) -> Col:
+@contextlib.contextmanager
+def attn_kernel(name):
+    """DFLASH_OPS_ATTN_KERNEL = ``name`` inside (the CUDA backend's kernel choice); None: as
+    it is."""
+    old = os.environ.get("DFLASH_OPS_ATTN_KERNEL")
+    if name is not None:
+        os.environ["DFLASH_OPS_ATTN_KERNEL"] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("DFLASH_OPS_ATTN_KERNEL", None)
+        else:
+            os.environ["DFLASH_OPS_ATTN_KERNEL"] = old
+
+
+def head_major_kv(kc, vc):
+    """The caches' values in vLLM's newest layout, [num_blocks, Hkv, block_size, 2*D] with K
+    and V side by side, returned as the op's [num_blocks, block_size, Hkv, D] strided views."""
+    nb, bs, hkv, d = kc.shape
+    kv = torch.empty(nb, hkv, bs, 2 * d, dtype=kc.dtype, device=kc.device)
+    kv[..., :d] = kc.transpose(1, 2)
+    kv[..., d:] = vc.transpose(1, 2)
+    return kv[..., :d].transpose(1, 2), kv[..., d:].transpose(1, 2)
+
+
+def ours(case: Case, backend: str, causal=False, window=-1, kernel=None,
+         head_major=False) -> Col:
+    """Our op with ``backend`` forced; ``kernel``: the CUDA kernel (DFLASH_OPS_ATTN_KERNEL:
+    mma, wgmma); ``head_major``: on copies of the caches in vLLM's K|V side-by-side layout
+    (made here, one per input set)."""
     bt, sl, qsl = case.block_table, case.seq_lens, case.qsl
+    views = {}
+    if head_major:
+        for st in case.sets:
+            views[st[1].data_ptr()] = head_major_kv(st[1], st[2])
 
     def fn(q, kc, vc, *rest):
+        if head_major:
+            kc, vc = views[kc.data_ptr()]
         return torch.ops.dflash.block_attention.default(q, kc, vc, bt, sl, qsl, SCALE, causal,
                                                         window, None)
 
     impl = forced(OP, backend, fn, None)
-    return Col(f"ours {backend}", fn, ctx=impl.ctx, missing=impl.missing)
+
+    @contextlib.contextmanager
+    def ctx():
+        with impl.ctx(), attn_kernel(kernel):
+            yield
+
+    name = f"ours {backend}" + (f" {kernel}" if kernel else "") + \
+        (" head-major K|V" if head_major else "")
+    return Col(name, fn, ctx=ctx, missing=impl.missing)
 
 
 def ours_triton_config(case: Case, block_n: int, num_stages: int, num_warps: int,
