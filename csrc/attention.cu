@@ -13,7 +13,9 @@
 //   sinks        [Hq] fp32 (optional): a logit per head in the softmax denominator only
 //   out          [Tq, Hq, D], q's dtype
 //
-// The kernels, and how the key range of a request is tiled and split: attention_kernels.cuh.
+// The kernels, and how the key range of a request is tiled and split: attention_kernels.cuh
+// (mma.sync, any GPU of the build) and attention_hopper.cuh (TMA + wgmma, sm_90a: the default
+// where it can take the call; DFLASH_OPS_ATTN_KERNEL=auto|mma|wgmma, see use_wgmma).
 // Device values are never read on the host. Offsets into the caches and into q / out are
 // 64-bit; token and key indices are 32-bit (Tq * Hq < 2^31, seq_len < 2^31). A q or out that is
 // not on 16-byte boundaries goes through a contiguous copy; caches that are not use 2- / 4-byte
