@@ -38,6 +38,10 @@ Tables:
     B * S/16 * 4, + seq_lens and query_start_loc. The floor row's note gives FLOPs
     (4 * B * 16 * Hq * S * D) over the bf16 GEMM rate: about 0.4x the bytes floor, so these
     shapes are bandwidth-bound for a kernel whose tiles are full (64-row GQA-packed tiles).
+* ``dflash2`` (asked for by name), the paged cases with DFlash 2's attention: 8 queries a request
+  (its block), a sliding window of 2048 non-causal (Qwen3.8-27B-DFlash2); ours triton / cuda /
+  cuda mma only; the floor counts the keys some query sees (about 2055 a request); the reference
+  drops the blocks before the window (positions shifted alike: the same outputs).
 * ``masks``, one shape (B 8, S 4096), rows per mode: non-causal, causal, window 1024
   (non-causal: |pos - j| < 1024), causal + window 1024; columns ours triton / cuda (the op's
   ``causal`` / ``window``), sdpa flash (non-causal: GQA in q rows; causal:
@@ -95,7 +99,7 @@ import torch
 from .. import dispatch
 from .attention_columns import (BF16, BLOCK_SIZE, D, DEVICE, G, HKV, HQ, OP, QLEN, SDPA_BACKENDS,
                                 TOL_ULPS, Case, Col, check, flex_contiguous, flex_paged, ours,
-                                ours_triton_config,
+                                ours_triton_config, query_length,
                                 reference, sdpa, visible)
 from .columns import BF16_ULP, Impl, measure, msg
 from .harness import Results, floor_us, l2_bytes, measure_floors, name_list
@@ -106,7 +110,10 @@ MASK_CASE = (8, 4096)
 WINDOW = 1024
 MODES = (("non-causal", False, -1), ("causal", True, -1), (f"window {WINDOW}", False, WINDOW),
          (f"causal + window {WINDOW}", True, WINDOW))  # (name, causal, window)
-TABLES = ("paged", "masks", "configs")
+TABLES = ("paged", "masks", "configs", "dflash2")
+# the dflash2 table: DFlash 2's attention (Qwen3.8-27B-DFlash2: block 8, sliding window 2048,
+# non-causal) on the paged cases
+DFLASH2_QLEN, DFLASH2_WINDOW = 8, 2048
 # the configs table: the Triton kernel's launch configurations (K/V tile, pipeline stages of
 # K/V tiles, warps[, key splits]) on the paged cases, beside ours cuda; 2 stages of 64 keys,
 # 4 warps, splits from the shapes is the default (measured 2026-11-29); the others fit the
@@ -190,20 +197,23 @@ def _paged_cols(case: Case, flex_skip) -> list:
 
 
 def _case_rows(res: Results, title: str, cases, cols_of, timing: dict,
-               progress: str = "[attention]") -> None:
+               progress: str = "[attention]", window: int = -1) -> None:
     """For each (B, S) of ``cases``: the paged inputs and reference, then ``cols_of(case)``'s
-    columns checked and timed (``run_table``)."""
+    columns checked and timed (``run_table``); ``window`` (non-causal): the floor and FLOPs
+    count the visible keys only."""
     for b, s in cases:
         t0 = time.perf_counter()
-        probe = 2 * b * s * HKV * D * 2
+        vis = visible(s, False, window)
+        keys, pairs = int(vis.any(0).sum()), int(vis.sum())
+        probe = 2 * b * keys * HKV * D * 2
         case = Case(b, s, rotate_bytes=probe if probe <= 2 * l2_bytes() else None)
-        want = reference(case)
+        want = reference(case, False, window)
         _sync()
         print(f"{progress} B={b} S={s}: {len(case.sets)} input set(s), K/V "
               f"{case.kv_bytes / 1e9:.3g} GB a set; inputs + reference "
               f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         run_table(res, title, f"B={b} S={s}", case, cols_of(case), want, timing,
-                  keys=s, flops=4.0 * b * QLEN * HQ * s * D, x=b * s, progress=progress)
+                  keys=keys, flops=4.0 * b * HQ * D * pairs, x=b * s, progress=progress)
         del case, want
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
@@ -213,6 +223,20 @@ def paged_table(res: Results, cases, timing: dict, flex_skip=None) -> None:
     title = (f"block_attention non-causal: {QLEN} queries/request, Hq {HQ}, Hkv {HKV}, D {D}, "
              f"paged K/V [blocks,{BLOCK_SIZE},{HKV},{D}] bf16, shuffled blocks")
     _case_rows(res, title, cases, lambda case: _paged_cols(case, flex_skip), timing)
+
+
+def dflash2_table(res: Results, cases, timing: dict) -> None:
+    """DFlash 2's drafter attention: DFLASH2_QLEN queries a request, sliding window
+    DFLASH2_WINDOW non-causal; ours only (SDPA's flash has no window, and its masked backends
+    read every key: the masks table shows them at one shape)."""
+    w = DFLASH2_WINDOW
+    with query_length(DFLASH2_QLEN):
+        title = (f"block_attention DFlash 2: {QLEN} queries/request, window {w} non-causal, Hq "
+                 f"{HQ}, Hkv {HKV}, D {D}, paged K/V [blocks,{BLOCK_SIZE},{HKV},{D}] bf16")
+        _case_rows(res, title, cases,
+                   lambda case: [ours(case, "triton", False, w), ours(case, "cuda", False, w),
+                                 ours(case, "cuda", False, w, kernel="mma")],
+                   timing, progress="[attention dflash2]", window=w)
 
 
 def configs_table(res: Results, cases, timing: dict) -> None:
@@ -296,7 +320,8 @@ def add_options(p) -> None:
     p.add_argument("--tables", type=name_list(TABLES, "tables"), default=None,
                    metavar="T1,T2",
                    help=f"tables to run, of {', '.join(TABLES)} (default paged,masks; "
-                        "configs: the Triton kernel's launch configurations on the paged cases)")
+                        "configs: the Triton kernel's launch configurations on the paged cases; "
+                        "dflash2: block 8, window 2048 on the paged cases)")
     p.add_argument("--no-flex", dest="flex", action="store_false",
                    help="no FlexAttention columns (their torch.compile calls are most of the "
                         "run time)")
@@ -373,5 +398,7 @@ def run(quick: bool = False, cases=None, tables=None, flex: bool = True) -> Resu
             mask_table(res, timing, flex_skip)
         if "configs" in tables:
             configs_table(res, cases, timing)
+        if "dflash2" in tables:
+            dflash2_table(res, cases, timing)
     res.notes += NOTES
     return res

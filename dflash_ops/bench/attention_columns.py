@@ -20,7 +20,7 @@ from .harness import rotating
 
 HQ, HKV, D = 32, 8, 128
 G = HQ // HKV
-QLEN = 16  # query tokens a request
+QLEN = 16  # query tokens a request (bench attention --qlen sets it for a run: query_length)
 BLOCK_SIZE = 16
 SCALE = D ** -0.5
 TOL_ULPS = 2  # max |out - ref| <= TOL_ULPS bf16 ulps of max |ref|
@@ -28,6 +28,18 @@ REF_BUDGET = 4 << 30  # bytes of one block_attention_ref call (its fp32 per-row 
 OP = "block_attention"
 BF16 = torch.bfloat16
 DEVICE = "cuda"
+
+
+@contextlib.contextmanager
+def query_length(n: int):
+    """QLEN = ``n`` inside, in this module and in ``bench.attention`` (which imported it)."""
+    from . import attention as suite
+    old = QLEN
+    globals()["QLEN"] = suite.QLEN = n
+    try:
+        yield
+    finally:
+        globals()["QLEN"] = suite.QLEN = old
 
 
 def _rnd(*shape):
@@ -91,7 +103,7 @@ def from_rows(o):
 
 
 def visible(s: int, causal: bool, window: int) -> torch.Tensor:
-    """[16, S] bool: key j visible to query t (position S - 16 + t), the op's rule."""
+    """[QLEN, S] bool: key j visible to query t (position S - QLEN + t), the op's rule."""
     pos = torch.arange(s - QLEN, s, device=DEVICE)[:, None]
     j = torch.arange(s, device=DEVICE)[None, :]
     ok = torch.ones(QLEN, s, dtype=torch.bool, device=DEVICE)
@@ -110,6 +122,13 @@ def reference(case: Case, causal: bool = False, window: int = -1) -> torch.Tenso
     then)."""
     q, kc, vc = case.sets[0][:3]
     b, keys = case.b, case.m * BLOCK_SIZE
+    table, seq_lens = case.block_table, case.seq_lens
+    if window > 0:  # only the window's keys: drop whole blocks before the first query's window
+        # (the rule depends on position differences only, so shifting every position by the
+        # dropped keys leaves each output as it was)
+        drop = max(0, case.s - QLEN - window + 1) // BLOCK_SIZE
+        table, seq_lens = table[:, drop:], seq_lens - drop * BLOCK_SIZE
+        keys -= drop * BLOCK_SIZE
     rows = max(1, REF_BUDGET // (16 * keys * HKV * D))  # bf16 + fp32 K and V gathers, a copy
     out = torch.empty_like(q)
     i32 = dict(dtype=torch.int32, device=DEVICE)
@@ -118,8 +137,7 @@ def reference(case: Case, causal: bool = False, window: int = -1) -> torch.Tenso
         for r0 in range(0, b, n):
             r1 = min(b, r0 + n)
             t = slice(r0 * QLEN, r1 * QLEN)
-            out[t] = block_attention_ref(q[t], kc, vc, case.block_table[r0:r1],
-                                         case.seq_lens[r0:r1],
+            out[t] = block_attention_ref(q[t], kc, vc, table[r0:r1], seq_lens[r0:r1],
                                          torch.arange(r1 - r0 + 1, **i32) * QLEN, SCALE,
                                          causal, window)
         return out
