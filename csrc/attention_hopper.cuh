@@ -248,7 +248,7 @@ __device__ __forceinline__ void wg_loader(const AttnParams& p, const WgMaps& map
       bool load = false;
       if (lane < boxes) {
         const int k0 = n0 + lane * rows;  // the box's first key
-        if (k0 < end && k0 + rows > begin) {  // k0 < end <= M * block_size: its page < M
+        if (k0 < end && k0 > begin - rows) {  // k0 < end <= M * block_size: its page < M
           const uint32_t bi = p.div_bs.div(static_cast<uint32_t>(k0));
           row0 = k0 - static_cast<int>(bi) * bs;
           const int64_t b64 = __ldg(bt_row + static_cast<int64_t>(bi) * p.bt_st_m);

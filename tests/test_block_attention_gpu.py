@@ -37,9 +37,10 @@ def _need(backend):
 
 
 def _check(backend, dtype, seq_lens, q_lens, bs, hkv, ratio, d, causal=False, window=-1,
-           use_sinks=False, seed=0):
+           use_sinks=False, seed=0, extra_blocks=3):
     torch.manual_seed(seed)
-    q, kc, vc, table, sl, qsl = paged_case(seq_lens, q_lens, bs, hkv, hkv * ratio, d, dtype)
+    q, kc, vc, table, sl, qsl = paged_case(seq_lens, q_lens, bs, hkv, hkv * ratio, d, dtype,
+                                           extra_blocks=extra_blocks)
     sinks = (torch.randn(hkv * ratio) * 2.0) if use_sinks else None
     scale = 1.0 / math.sqrt(d)
     args = (q, kc, vc, table, sl, qsl, scale, causal, window, sinks)
@@ -95,6 +96,18 @@ def test_cuda_mma_kernel_grid(dtype, monkeypatch):
     monkeypatch.setenv("DFLASH_OPS_ATTN_KERNEL", "mma")
     interp.check_block_attention(DEV, dtypes=(dtype,), splits_list=(1,),
                                  shapes=HOPPER_SHAPES[:3], backend="cuda")
+
+
+@pytest.mark.parametrize("case", ["one-kv-head", "one-block"])
+def test_cuda_wgmma_kernel_size_one_dims(case, monkeypatch):
+    """Cache dims of size 1 (TMA strides of 16 bytes stand in for theirs): one KV head (MQA,
+    or a tensor-parallel shard), a cache of a single block."""
+    _need_hopper()
+    monkeypatch.setenv("DFLASH_OPS_ATTN_KERNEL", "wgmma")
+    if case == "one-kv-head":
+        _check("cuda", BF16, [300, 17, 1], [16, 5, 1], 16, 1, 8, 128, use_sinks=True)
+    else:
+        _check("cuda", BF16, [13], [4], 16, 2, 4, 64, extra_blocks=0)
 
 
 def test_cuda_kernel_choice_errors(monkeypatch):
