@@ -184,10 +184,15 @@ bool wgmma_built(int device) {
   int v = known[device].load();
   if (v == 0) {
     cudaFuncAttributes a{};
-    const bool ok = cudaFuncGetAttributes(&a, attn_wgmma_kernel<BF16, 128>) == cudaSuccess &&
-                    a.maxThreadsPerBlock >= kWgThreads;
-    if (!ok) (void)cudaGetLastError();  // "no kernel image": not an error of ours
-    v = ok ? 1 : 2;
+    const cudaError_t e = cudaFuncGetAttributes(&a, attn_wgmma_kernel<BF16, 128>);
+    if (e == cudaSuccess) {
+      v = a.maxThreadsPerBlock >= kWgThreads ? 1 : 2;
+    } else if (e == cudaErrorNoKernelImageForDevice || e == cudaErrorInvalidDeviceFunction) {
+      (void)cudaGetLastError();  // the answer "no image for this GPU" (our query's own error)
+      v = 2;
+    } else {
+      return false;  // no answer (another error, left for the caller's checks): ask again later
+    }
     known[device].store(v);
   }
   return v == 1;
@@ -226,6 +231,11 @@ const char* wgmma_refusal(const at::Tensor& q, const at::Tensor& k_cache,
 // DFLASH_OPS_ATTN_KERNEL: unset or "auto" (the Hopper kernel where it can run, else the
 // portable one), "mma" (the portable kernel), "wgmma" (the Hopper kernel, or an error saying
 // why not).
+bool wgmma_forced() {
+  const char* env = std::getenv("DFLASH_OPS_ATTN_KERNEL");
+  return env != nullptr && std::string(env) == "wgmma";
+}
+
 bool use_wgmma(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {
   const char* env = std::getenv("DFLASH_OPS_ATTN_KERNEL");
   const std::string force = env == nullptr ? "auto" : env;
@@ -257,7 +267,8 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 // block_size, num_blocks), or (D, block_size, Hkv, num_blocks) when head_outer (the head stride
 // is the larger, as in vLLM's head-major cache); a box is 64 dims x one head x min(block_size,
 // 64) rows of one block, 128-byte swizzled.
-CUtensorMap make_kv_map(const at::Tensor& c, bool head_outer) {
+// Returns the encoder's result; `map` is valid on CUDA_SUCCESS.
+CUresult make_kv_map(const at::Tensor& c, bool head_outer, CUtensorMap& map) {
   const int64_t bs = c.size(1), rows = std::min<int64_t>(bs, 64);
   cuuint64_t dims[4] = {static_cast<cuuint64_t>(c.size(3)), 0, 0,
                         static_cast<cuuint64_t>(c.size(0))};
@@ -270,19 +281,14 @@ CUtensorMap make_kv_map(const at::Tensor& c, bool head_outer) {
   strides[0] = static_cast<cuuint64_t>(tma_stride(c, inner));
   strides[1] = static_cast<cuuint64_t>(tma_stride(c, outer));
   box[head_outer ? 1 : 2] = static_cast<cuuint32_t>(rows);
-  CUtensorMap map;
   std::memset(&map, 0, sizeof(map));
-  const CUresult r = tensor_map_encoder()(
+  return tensor_map_encoder()(
       &map,
       c.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                        : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
       4, c.data_ptr(), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
       CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  TORCH_CHECK(r == CUDA_SUCCESS, "dflash.block_attention: cuTensorMapEncodeTiled failed (",
-              static_cast<int>(r), ") for a cache of shape ", py_list(c.sizes()), " strides ",
-              py_list(c.strides()));
-  return map;
 }
 
 template <class E, int D>
@@ -420,16 +426,25 @@ void run(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
   if (use_wgmma(q, k_cache, v_cache)) {
     const bool head_outer = k_cache.stride(2) > k_cache.stride(1);
-    const WgMaps maps{make_kv_map(k_cache, head_outer), make_kv_map(v_cache, head_outer),
-                      head_outer ? 1 : 0};
-    const bool bf = q.scalar_type() == at::kBFloat16;
-    if (d == 64) {
-      bf ? launch_wgmma<BF16, 64>(p, maps, stream) : launch_wgmma<F16, 64>(p, maps, stream);
-    } else {
-      bf ? launch_wgmma<BF16, 128>(p, maps, stream) : launch_wgmma<F16, 128>(p, maps, stream);
+    WgMaps maps{};
+    maps.head_outer = head_outer ? 1 : 0;
+    CUresult r = make_kv_map(k_cache, head_outer, maps.k);
+    if (r == CUDA_SUCCESS) r = make_kv_map(v_cache, head_outer, maps.v);
+    if (r == CUDA_SUCCESS) {
+      const bool bf = q.scalar_type() == at::kBFloat16;
+      if (d == 64) {
+        bf ? launch_wgmma<BF16, 64>(p, maps, stream) : launch_wgmma<F16, 64>(p, maps, stream);
+      } else {
+        bf ? launch_wgmma<BF16, 128>(p, maps, stream) : launch_wgmma<F16, 128>(p, maps, stream);
+      }
+      if (!out_direct) out.copy_(o);
+      return;
     }
-    if (!out_direct) out.copy_(o);
-    return;
+    // the driver refused a tensor map our checks let through: the portable kernel (auto)
+    TORCH_CHECK_VALUE(!wgmma_forced(), "dflash.block_attention: DFLASH_OPS_ATTN_KERNEL=wgmma "
+                      "but cuTensorMapEncodeTiled refused the caches (error ", static_cast<int>(r),
+                      "): k_cache shape ", py_list(k_cache.sizes()), " strides ",
+                      py_list(k_cache.strides()), ", v_cache strides ", py_list(v_cache.strides()));
   }
   switch (q.scalar_type()) {
     case at::kBFloat16: launch_dtype<BF16>(p, d, stream); break;
