@@ -41,6 +41,25 @@ from .weights import check_drafter_state, stack_kv
 OPS = torch.ops.dflash
 
 
+def window_table(table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, first: int,
+                 last: int) -> tuple:
+    """The draft context window as block-table metadata: (table [R, f + n], seq_lens [R] int32)
+    of each request's first f = ceil(first / block_size) pages and its pages from the one
+    holding key seq_len - last on (so at least ``last`` keys, fewer than last + block_size),
+    the two runs back to back; a request with nothing between them keeps its table as it is.
+    Device-side torch ops only (CUDA-graph safe: no host read). Exact for attention without
+    causal or window masking: a key's RoPE is applied at its true position when it is
+    written, so only which keys are visible changes, not where they sit in the table."""
+    bs = int(block_size)
+    f = -(-int(first) // bs)
+    n = -(-int(last) // bs) + 1
+    seq = seq_lens.long()
+    t0 = torch.clamp((seq - int(last)) // bs, min=f)  # first kept page of the tail (>= f)
+    j = torch.arange(f + n, device=table.device)[None, :]
+    idx = torch.where(j < f, j, t0[:, None] + (j - f)).clamp(max=table.shape[1] - 1)
+    return torch.gather(table, 1, idx), (seq - (t0 - f) * bs).to(torch.int32)
+
+
 class DFlashDrafter:
     def __init__(self, cfg: DFlashConfig, state: dict, *, embed_tokens: Optional[torch.Tensor]
                  = None, lm_head: Optional[torch.Tensor] = None, dtype=torch.bfloat16,
@@ -94,6 +113,23 @@ class DFlashDrafter:
         room = self.cache.max_blocks * self.cache.block_size  # positions a request may use
         self.cos_sin = make_cos_sin_cache(rope_table_len(cfg.max_position_embeddings, room),
                                           cfg.rotary_dim, base=cfg.rope_theta, device=dev)
+        self.context_window: Optional[tuple] = None  # set_context_window
+
+    def set_context_window(self, last: Optional[int], first: int = 16) -> None:
+        """The draft context window (off by default): the block attends to its context's first
+        ``first`` and last ``last`` tokens only (rounded out to whole cache pages; the block's
+        own keys are among the last), in the layers without causal / window masking (a sliding
+        layer keeps its own window). Less to read a step at long context, at some cost in
+        acceptance. ``last=None``: off. Set it before the loop's first call (captured steps
+        bake it in)."""
+        if last is None:
+            self.context_window = None
+            return
+        if int(last) < self.cfg.block_size or int(first) < 0:
+            raise ValueError(f"DFlashDrafter.set_context_window: last must be >= the block "
+                             f"size {self.cfg.block_size} (the block's own keys) and first >= "
+                             f"0, got last={last}, first={first}")
+        self.context_window = (int(first), int(last))
 
     # ------------------------------------------------------------------------------ context
     def add_context(self, tap_hidden: torch.Tensor, requests: torch.Tensor,
@@ -123,10 +159,15 @@ class DFlashDrafter:
         r, b = block_ids.shape
         pos = (start.long()[:, None] + torch.arange(b, device=self.device)[None, :]).reshape(-1)
         req = requests.long()[:, None].expand(r, b).reshape(-1)
-        t = Tokens(self.cfg, self.cos_sin, pos, self.cache.slots(req, pos),
-                   self.cache.block_table[requests.long()], (start.long() + b).to(torch.int32),
+        table, seq_lens = self.cache.block_table[requests.long()], (start.long() + b).to(
+            torch.int32)
+        kept = (None, None)
+        if self.context_window is not None:
+            first, last = self.context_window
+            kept = window_table(table, seq_lens, self.cache.block_size, first, last)
+        t = Tokens(self.cfg, self.cos_sin, pos, self.cache.slots(req, pos), table, seq_lens,
                    torch.arange(0, (r + 1) * b, b, dtype=torch.int32, device=self.device),
-                   conv_block=b)
+                   conv_block=b, kept_table=kept[0], kept_seq_lens=kept[1])
         x = self._embed(block_ids.reshape(-1))
         h = None
         for i, layer in enumerate(self.layers):

@@ -47,6 +47,11 @@ class Tokens:
     conv_block: int = 0  # rows per block of the DFlash 2 convolutions (0: no convolution)
     exact: bool = False  # exact mode: row-count-independent GEMMs (linear(..., exact=True))
     split_keys: int = 0  # block_attention's absolute key splits (exact mode; 0: by shape)
+    # the drafter's context window (``window_table``): a table of the kept pages and their
+    # key counts, for the layers without causal / window masking (whose keys' places in the
+    # sequence do not matter); None: table / seq_lens
+    kept_table: Optional[torch.Tensor] = None
+    kept_seq_lens: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -171,7 +176,10 @@ class DecoderLayer:
             OPS.rope_(q, t.pos, t.cos_sin, cfg.rope_is_neox)
             OPS.rope_(k, t.pos, t.cos_sin, cfg.rope_is_neox)
         OPS.store_kv_(k[:, None], v[:, None], [k_cache], [v_cache], t.slots)
-        attn = OPS.block_attention(q, k_cache, v_cache, t.table, t.seq_lens, t.qsl, d ** -0.5,
+        table, seq_lens = t.table, t.seq_lens
+        if t.kept_table is not None and not self.causal and self.window <= 0:
+            table, seq_lens = t.kept_table, t.kept_seq_lens
+        attn = OPS.block_attention(q, k_cache, v_cache, table, seq_lens, t.qsl, d ** -0.5,
                                    self.causal, self.window, self.sinks, t.split_keys)
         o = linear(attn.view(-1, hq * d), self.o, self.o_b, ex)
         if self.attn_conv is not None:  # x += conv(o); o = norm(x)

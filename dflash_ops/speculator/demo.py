@@ -277,11 +277,17 @@ def _run(args) -> int:
     n_new = args.max_new_tokens
     total = args.batch * n_new
     block = drafter.cfg.block_size
+    if args.draft_window is not None:
+        if args.draft_window < block:
+            raise UsageError(f"argument --draft-window: got {args.draft_window}; allowed: an "
+                             f"integer >= the block size {block} (the block's own keys)")
+        drafter.set_context_window(args.draft_window)
     n_threads = torch.get_num_threads()
     where = device if on_cuda else f"cpu ({n_threads} thread{'' if n_threads == 1 else 's'})"
     print(f"dflash-ops demo: {what}; {where}, {str(dtype).replace('torch.', '')}, batch "
           f"{args.batch}, prompt {args.prompt_len} tokens, {n_new} new tokens each, "
-          f"block {block}, steps {args.steps}{', exact mode' if args.exact else ''}")
+          f"block {block}, steps {args.steps}{', exact mode' if args.exact else ''}"
+          f"{f', draft window first 16 + last {args.draft_window}' if args.draft_window else ''}")
 
     from .loop import exact_mode
     with exact_mode(target, args.exact):
@@ -405,6 +411,10 @@ def add_parser(sub) -> None:
                    help="speculate only where it pays: each iteration drafts or decodes, "
                         "whichever is faster by the measured step costs and the acceptance so "
                         "far (default: %(default)s; off: always draft)")
+    p.add_argument("--draft-window", type=int_at_least(2), default=None, metavar="W",
+                   help="the drafter attends to its context's first 16 and last W tokens only "
+                        "(whole cache pages; W >= the block size; lossless: only acceptance "
+                        "moves; default: the whole context)")
     p.add_argument("--threads", type=int_at_least(1), default=None,
                    help="CPU threads of torch on the CPU (default: 1 for the built-in pair, "
                         "whose ops are too small to split; torch's own for checkpoints)")
