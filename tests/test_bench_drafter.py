@@ -189,3 +189,24 @@ def test_run_case_rows_on_cpu(monkeypatch):
     assert summary["bound"] == "bytes" and summary["graph x floor"] > 1
     text = res.format()
     assert "B=3 S=40" in text and "floor" in text
+
+
+def test_run_case_draft_window_column_on_cpu(monkeypatch):
+    """The draft-window column where the context is longer than the window (here 8 of 40): its
+    graph step checked against its own eager step, and the window off again afterwards."""
+    from dflash_ops.bench.harness import Results
+
+    cfg = bd.drafter_config(TINY)
+    weights = bd.random_weights(cfg, "cpu", torch.float32)
+    real_graph_step = bd.graph_step
+    monkeypatch.setattr(bd, "time_fn",
+                        lambda fn, graph=False, **t: (fn(), {"us": 50.0, "mode": "events"})[1])
+    monkeypatch.setattr(bd, "graph_step", lambda *a: real_graph_step(*a, capture=False))
+    res = Results("drafter-test", floors={"copy_GBps": 4300.0, "gemm_TFLOPs": 700.0})
+    with torch.no_grad():
+        bd.run_case(res, cfg, weights, None, "no reference", 3, 40, {}, device="cpu",
+                    draft_window=8)
+    rows = {r["impl"]: r for r in res.rows if r["table"].startswith("drafter step")}
+    win = rows["ours graph, draft window 8"]
+    assert win["us"] == 50.0 and win["err"] < 1e-5, win["note"]
+    assert "drafts equal to the full context's" in win["note"]

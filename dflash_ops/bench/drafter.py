@@ -129,6 +129,10 @@ SUMMARY = "summary: us per step (graph x floor = ours graph / floor)"
 REF_NAME = "reference eager (dflash DFlashDraftModel)"
 EAGER_NAME = "ours eager"
 GRAPH_NAME = "ours graph (DraftStep)"
+# the draft context window's column (issue 18's option): attention over the first 16 and the last
+# DRAFT_WINDOW context tokens, where the context is longer
+DRAFT_WINDOW = 2048
+WINDOW_NAME = f"ours graph, draft window {DRAFT_WINDOW}"
 
 
 def drafter_config(cfg_dict: Optional[dict] = None):
@@ -422,10 +426,12 @@ def _free(device) -> None:
 
 
 def run_case(res: Results, cfg, weights: tuple, ref_model, ref_why: Optional[str],
-             batch: int, context: int, timing: dict, device="cuda") -> dict:
-    """Rows of one (B, S): reference, ours eager, ours graph, floor; returns the case's summary
-    row (``run`` adds them after all cases). Every request committed a whole block (new = block
-    size). Its tensors (drafter, caches, the graph) die on return; the caller frees memory."""
+             batch: int, context: int, timing: dict, device="cuda",
+             draft_window: int = DRAFT_WINDOW) -> dict:
+    """Rows of one (B, S): reference, ours eager, ours graph, (where S > draft_window + 16) ours
+    graph with the draft context window, floor; returns the case's summary row (``run`` adds
+    them after all cases). Every request committed a whole block (new = block size). Its
+    tensors (drafter, caches, the graphs) die on return; the caller frees memory."""
     state, embed, head = weights
     new = cfg.block_size
     label = f"B={batch} S={context}"
@@ -492,6 +498,32 @@ def run_case(res: Results, cfg, weights: tuple, ref_model, ref_why: Optional[str
     except Exception as e:  # noqa: BLE001
         row(GRAPH_NAME, None, f"failed: {msg(e)}")
 
+    # ours graph with the draft context window: its own eager step is its oracle
+    if step is not None:
+        step.close()  # its scratch request slot, for the next step's
+        step = None
+    if context > draft_window + 16:
+        name = WINDOW_NAME if draft_window == DRAFT_WINDOW else \
+            f"ours graph, draft window {draft_window}"
+        try:
+            drafter.set_context_window(draft_window)
+            w_t, w_z = (x.clone() for x in eager_step(drafter, inp))
+            wstep, wbucket = graph_step(drafter, inp, batch)
+            got_t, got_z = wstep.run(wbucket)
+            ok, err, note = agreement(got_t, got_z, w_t, w_z, GRAPH_TOL)
+            same = float((w_t == want_t).float().mean())
+            note = (f"vs its eager step: {note}; drafts equal to the full context's: "
+                    f"{100 * same:.1f}%")
+            if ok:
+                row(name, time_fn(lambda: wstep.run(wbucket), graph=False, **timing), note, err)
+            else:
+                row(name, None, f"WRONG vs its eager step, not timed: {note}", err)
+            wstep.close()
+        except Exception as e:  # noqa: BLE001
+            row(name, None, f"failed: {msg(e)}")
+        finally:
+            drafter.set_context_window(None)
+
     res.add_time(title, label, "floor", {"us": floor, "mode": "max(bytes/copy, FLOPs/GEMM)"},
                  bytes_moved=moved, floor=floor, x=batch, note=floor_note(cost, res.floors))
     print(f"[drafter] {label}: done in {time.perf_counter() - t0:.1f} s", file=sys.stderr,
@@ -531,6 +563,11 @@ NOTES = [
     "4*B*b*L*Hq*D*(S+b) + 2*B*(b-1)*V*H; not counted: the block's own K/V, elementwise math, "
     "our logits output (bf16); the floor row's note itemizes",
     "ref / us = reference time / this column's time (speed-up over the reference)",
+    f"{WINDOW_NAME} (where S > {DRAFT_WINDOW + 16}): DFlashDrafter.set_context_window("
+    f"{DRAFT_WINDOW}), the block attending to its context's first 16 and last {DRAFT_WINDOW} "
+    "tokens (issue 18's option, off by default); checked against its own eager step; the note "
+    "gives the share of drafts equal to the full context's (random weights: not an acceptance "
+    "cost); the floor row is the full step's",
 ]
 
 
