@@ -15,7 +15,7 @@
 //
 // The kernels, and how the key range of a request is tiled and split: attention_kernels.cuh
 // (mma.sync, any GPU of the build) and attention_hopper.cuh (TMA + wgmma, sm_90a: the default
-// where it can take the call; DFLASH_OPS_ATTN_KERNEL=auto|mma|wgmma, see use_wgmma).
+// where it can take the call; DFLASH_OPS_ATTN_KERNEL=auto|mma|wgmma, see attn_kernel).
 // Device values are never read on the host. Offsets into the caches and into q / out are
 // 64-bit; token and key indices are 32-bit (Tq * Hq < 2^31, seq_len < 2^31). A q or out that is
 // not on 16-byte boundaries goes through a contiguous copy; caches that are not use 2- / 4-byte
@@ -231,23 +231,22 @@ const char* wgmma_refusal(const at::Tensor& q, const at::Tensor& k_cache,
 // DFLASH_OPS_ATTN_KERNEL: unset or "auto" (the Hopper kernel where it can run, else the
 // portable one), "mma" (the portable kernel), "wgmma" (the Hopper kernel, or an error saying
 // why not).
-bool wgmma_forced() {
-  const char* env = std::getenv("DFLASH_OPS_ATTN_KERNEL");
-  return env != nullptr && std::string(env) == "wgmma";
-}
+enum class AttnKernel { kMma, kWgmma, kWgmmaForced };
 
-bool use_wgmma(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+AttnKernel attn_kernel(const at::Tensor& q, const at::Tensor& k_cache,
+                       const at::Tensor& v_cache) {
   const char* env = std::getenv("DFLASH_OPS_ATTN_KERNEL");
   const std::string force = env == nullptr ? "auto" : env;
   TORCH_CHECK_VALUE(force == "auto" || force == "mma" || force == "wgmma",
                     "dflash.block_attention: DFLASH_OPS_ATTN_KERNEL must be auto, mma or "
                     "wgmma, got '", force, "'");
-  if (force == "mma") return false;
+  if (force == "mma") return AttnKernel::kMma;
   const char* why = wgmma_refusal(q, k_cache, v_cache);
   TORCH_CHECK_VALUE(why == nullptr || force != "wgmma", "dflash.block_attention: "
                     "DFLASH_OPS_ATTN_KERNEL=wgmma but the Hopper kernel cannot run this call: ",
                     why);
-  return why == nullptr;
+  if (why != nullptr) return AttnKernel::kMma;
+  return force == "wgmma" ? AttnKernel::kWgmmaForced : AttnKernel::kWgmma;
 }
 
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
@@ -424,7 +423,8 @@ void run(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_
   p.kv_vec = rows_aligned(k_cache, {0, 1, 2}) && rows_aligned(v_cache, {0, 1, 2});
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
-  if (use_wgmma(q, k_cache, v_cache)) {
+  const AttnKernel kernel = attn_kernel(q, k_cache, v_cache);
+  if (kernel != AttnKernel::kMma) {
     const bool head_outer = k_cache.stride(2) > k_cache.stride(1);
     WgMaps maps{};
     maps.head_outer = head_outer ? 1 : 0;
@@ -441,7 +441,8 @@ void run(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_
       return;
     }
     // the driver refused a tensor map our checks let through: the portable kernel (auto)
-    TORCH_CHECK_VALUE(!wgmma_forced(), "dflash.block_attention: DFLASH_OPS_ATTN_KERNEL=wgmma "
+    TORCH_CHECK_VALUE(kernel != AttnKernel::kWgmmaForced, "dflash.block_attention: "
+                      "DFLASH_OPS_ATTN_KERNEL=wgmma "
                       "but cuTensorMapEncodeTiled refused the caches (error ", static_cast<int>(r),
                       "): k_cache shape ", py_list(k_cache.sizes()), " strides ",
                       py_list(k_cache.strides()), ", v_cache strides ", py_list(v_cache.strides()));

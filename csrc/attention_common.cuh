@@ -272,6 +272,15 @@ __device__ __forceinline__ void row_place(const AttnParams& p, const ReqInfo& rq
   flat = t * p.hq + h;
 }
 
+// Row i's (token, head) in q; q itself for a row past the request (ok false: never read).
+template <class Bits>
+__device__ __forceinline__ const Bits* q_row(const AttnParams& p, const ReqInfo& rq, int kvh,
+                                             int i, bool ok) {
+  int64_t off = 0, flat;
+  if (ok) row_place(p, rq, kvh, i, p.q_st_t, p.q_st_h, off, flat);
+  return static_cast<const Bits*>(p.q) + off;
+}
+
 // The tile [i0, i1)'s share of keys for split blockIdx.y: [start, end), BN-aligned from lo, or
 // from lo rounded down to a multiple of bn when `align` (with split_keys: the split's absolute
 // keys, BN-aligned from 0): the first tile may then start below lo, and keys below ``begin``
@@ -331,11 +340,8 @@ __device__ __forceinline__ void load_q_tile(const AttnParams& p, const ReqInfo& 
   constexpr int TPR = kThreads / T::BM, CPT = T::DC / TPR;
   static_assert(kThreads % T::BM == 0 && T::DC % TPR == 0, "Q tile: uneven thread split");
   const int r = threadIdx.x / TPR, tp = threadIdx.x % TPR;
-  const int i = i0 + r;
-  const bool ok = i < rq.nrows;
-  int64_t off = 0, flat;
-  if (ok) row_place(p, rq, kvh, i, p.q_st_t, p.q_st_h, off, flat);
-  const Bits* const src = static_cast<const Bits*>(p.q) + off;
+  const bool ok = i0 + r < rq.nrows;
+  const Bits* const src = q_row<Bits>(p, rq, kvh, i0 + r, ok);
 #pragma unroll
   for (int it = 0; it < CPT; ++it) {
     const int c = tp + TPR * it;

@@ -211,11 +211,8 @@ __device__ __forceinline__ void store_q_tile(const AttnParams& p, const ReqInfo&
   using P = Pack<Bits, 8>;
   constexpr int CPT = D / 16;  // chunks a thread: 2 threads a row, D / 8 chunks a row
   const int r = threadIdx.x >> 1, c0 = (threadIdx.x & 1) * CPT;
-  const int i = i0 + r;
-  const bool ok = i < rq.nrows;
-  int64_t off = 0, flat;
-  if (ok) row_place(p, rq, kvh, i, p.q_st_t, p.q_st_h, off, flat);
-  const Bits* const src = static_cast<const Bits*>(p.q) + off;
+  const bool ok = i0 + r < rq.nrows;
+  const Bits* const src = q_row<Bits>(p, rq, kvh, i0 + r, ok);
 #pragma unroll
   for (int j = 0; j < CPT; ++j) {
     const int c = c0 + j;

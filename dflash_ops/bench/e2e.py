@@ -303,17 +303,24 @@ def measure_case(target, drafter, batch: int, context: int, *, rep_ms: float,
                       logits=False)  # greedy: argmax on the bf16 LM-head output
     bucket = dstep.load(taps, ctx_req, ctx_pos, block, ra, st)
     dstep.capture(bucket)
-    # the verify step: b random tokens a request at positions context .. context+b-1
-    vstep = VerifyStep(target, max_batch=batch, block_size=b,
-                       tap_layers=dcfg.target_layer_ids, scratch_request=batch,
-                       logits=False)
-    vbucket = vstep.load(torch.randint(0, vocab, (batch, b), generator=g, device=dev), ra, st)
-    vstep.capture(vbucket)
+    def verify_step(own_scratch=True):  # b random tokens a request at context .. context+b-1
+        step = VerifyStep(target, max_batch=batch, block_size=b,
+                          tap_layers=dcfg.target_layer_ids, scratch_request=batch, logits=False,
+                          own_scratch=own_scratch)
+        vb = step.load(torch.randint(0, vocab, (batch, b), generator=g, device=dev), ra, st)
+        step.capture(vb)
+        return step, vb
+
     # plain decode: one token a request at position context
     ids = torch.randint(0, vocab, (batch,), generator=g, device=dev)
     ones = torch.ones(batch, dtype=torch.long, device=dev)
-    dgraph = dispatch.capture_graph(  # a greedy decode step: forward + argmax
-        lambda: target.forward(ids, ra, st, ones, None, fp32_logits=False)[0].argmax(-1))[0]
+
+    def decode_graph():  # a greedy decode step: forward + argmax
+        return dispatch.capture_graph(
+            lambda: target.forward(ids, ra, st, ones, None, fp32_logits=False)[0].argmax(-1))[0]
+
+    vstep, vbucket = verify_step()
+    dgraph = decode_graph()
     torch.cuda.synchronize()
 
     out = {"batch": batch, "context": context}
@@ -324,14 +331,9 @@ def measure_case(target, drafter, batch: int, context: int, *, rep_ms: float,
     out["decode"] = time_replays(dgraph.replay, **timing)
     if exact:  # the same steps in exact mode, captured apart (the graphs bake the kernels in)
         from ..speculator.loop import exact_mode
-        with exact_mode(target, True):
-            xstep = VerifyStep(target, max_batch=batch, block_size=b,
-                               tap_layers=dcfg.target_layer_ids, scratch_request=batch,
-                               logits=False)
-            xb = xstep.load(torch.randint(0, vocab, (batch, b), generator=g, device=dev), ra, st)
-            xstep.capture(xb)
-            xgraph = dispatch.capture_graph(
-                lambda: target.forward(ids, ra, st, ones, None, fp32_logits=False)[0].argmax(-1))[0]
+        with exact_mode(target, True):  # the scratch slot stays vstep's (it times on)
+            xstep, xb = verify_step(own_scratch=False)
+            xgraph = decode_graph()
         torch.cuda.synchronize()
         out["verify exact"] = time_replays(lambda: xstep.run(xb), **timing)
         out["iteration exact"] = time_replays(lambda: (dstep.run(bucket), xstep.run(xb)),
