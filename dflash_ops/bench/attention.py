@@ -110,7 +110,9 @@ MASK_CASE = (8, 4096)
 WINDOW = 1024
 MODES = (("non-causal", False, -1), ("causal", True, -1), (f"window {WINDOW}", False, WINDOW),
          (f"causal + window {WINDOW}", True, WINDOW))  # (name, causal, window)
-TABLES = ("paged", "masks", "configs", "dflash2")
+TABLES = ("paged", "masks", "configs", "dflash2", "splits")
+# the splits table: the CUDA kernel at fixed key-split counts (split_keys = S / n, whole tiles)
+SPLIT_COUNTS = (1, 2, 4, 8, 16, 32)
 # the dflash2 table: DFlash 2's attention (Qwen3.8-27B-DFlash2: block 8, sliding window 2048,
 # non-causal) on the paged cases
 DFLASH2_QLEN, DFLASH2_WINDOW = 8, 2048
@@ -239,6 +241,19 @@ def dflash2_table(res: Results, cases, timing: dict) -> None:
                    timing, progress="[attention dflash2]", window=w)
 
 
+def splits_table(res: Results, cases, timing: dict) -> None:
+    """The CUDA kernel (its automatic choice, then fixed split counts) on the paged cases: how
+    many key splits each shape wants (a split count that gives fewer keys than one 64-key tile
+    a split, or more than 32 splits, is left out)."""
+    title = (f"block_attention CUDA key splits: {QLEN} queries/request, Hq {HQ}, Hkv {HKV}, "
+             f"D {D}, paged K/V bf16 (split_keys = S / splits in whole 64-key tiles)")
+
+    def cols(case):
+        ns = [n for n in SPLIT_COUNTS if case.s // n >= 64]
+        return [ours(case, "cuda")] + [ours(case, "cuda", splits=n) for n in ns]
+    _case_rows(res, title, cases, cols, timing, progress="[attention splits]")
+
+
 def configs_table(res: Results, cases, timing: dict) -> None:
     title = (f"block_attention Triton launch configurations: {QLEN} queries/request, Hq {HQ}, "
              f"Hkv {HKV}, D {D}, paged K/V bf16 (rows: BN keys a tile, K/V stages, warps)")
@@ -321,7 +336,8 @@ def add_options(p) -> None:
                    metavar="T1,T2",
                    help=f"tables to run, of {', '.join(TABLES)} (default paged,masks; "
                         "configs: the Triton kernel's launch configurations on the paged cases; "
-                        "dflash2: block 8, window 2048 on the paged cases)")
+                        "dflash2: block 8, window 2048 on the paged cases; splits: the CUDA kernel at "
+                        "fixed key-split counts)")
     p.add_argument("--no-flex", dest="flex", action="store_false",
                    help="no FlexAttention columns (their torch.compile calls are most of the "
                         "run time)")
@@ -400,5 +416,7 @@ def run(quick: bool = False, cases=None, tables=None, flex: bool = True) -> Resu
             configs_table(res, cases, timing)
         if "dflash2" in tables:
             dflash2_table(res, cases, timing)
+        if "splits" in tables:
+            splits_table(res, cases, timing)
     res.notes += NOTES
     return res

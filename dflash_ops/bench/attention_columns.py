@@ -196,10 +196,13 @@ def head_major_kv(kc, vc):
 
 
 def ours(case: Case, backend: str, causal=False, window=-1, kernel=None,
-         head_major=False) -> Col:
+         head_major=False, splits=None) -> Col:
     """Our op with ``backend`` forced; ``kernel``: the CUDA kernel (DFLASH_OPS_ATTN_KERNEL:
     mma, wgmma); ``head_major``: on copies of the caches in vLLM's K|V side-by-side layout
-    (made here, one per input set)."""
+    (made here, one per input set); ``splits``: ask for that many key splits (split_keys =
+    S / splits rounded up to 64 keys; None: the kernels' own choice)."""
+    per = -(-case.s // splits) if splits else 0  # keys a split, then whole 64-key tiles
+    split_keys = -(-per // 64) * 64
     bt, sl, qsl = case.block_table, case.seq_lens, case.qsl
     views = {}
     if head_major:
@@ -210,7 +213,7 @@ def ours(case: Case, backend: str, causal=False, window=-1, kernel=None,
         if head_major:
             kc, vc = views[kc.data_ptr()]
         return torch.ops.dflash.block_attention.default(q, kc, vc, bt, sl, qsl, SCALE, causal,
-                                                        window, None)
+                                                        window, None, split_keys)
 
     impl = forced(OP, backend, fn, None)
 
@@ -220,7 +223,8 @@ def ours(case: Case, backend: str, causal=False, window=-1, kernel=None,
             yield
 
     name = f"ours {backend}" + (f" {kernel}" if kernel else "") + \
-        (" head-major K|V" if head_major else "")
+        (" head-major K|V" if head_major else "") + \
+        (f" splits {splits}" if splits is not None else "")
     return Col(name, fn, ctx=ctx, missing=impl.missing)
 
 
