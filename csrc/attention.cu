@@ -149,15 +149,23 @@ int sm_count(int device) {
 // us, 64 keys 12.2 us; 8192 keys: 27.7-27.9 us for all three.
 constexpr int64_t kMinSplitKeys = 128;
 
-// Splits of each tile's key range, from shapes only: B * Hkv * splits fills the GPU about
-// twice, at least kMinSplitKeys keys (of max_blocks * block_size) a split, and the fp32
-// partial buffer of splits x Tq x Hq x (D + 1) stays within 256 MiB.
-int choose_splits(int64_t bh, int64_t max_keys, int64_t rows, int64_t d, int sms) {
+// Splits of each tile's key range, from shapes only: at least kMinSplitKeys keys (of
+// max_blocks * block_size) a split, the fp32 partial buffer of splits x Tq x Hq x (D + 1)
+// within 256 MiB, at most 32, and B * Hkv * splits CTAs:
+// - mma.sync kernel: about twice the SMs (rounded up);
+// - wgmma kernel (`one_wave`): at most one wave of its resident CTAs (`slots`, rounded down): a
+//   second, partial wave runs its few CTAs at their own rate, not the copy rate. Measured (H200,
+//   16 queries, Hq 32 / Hkv 8, D 128, graph replay; results/attention-...-splits.md): 8 x 4k
+//   5 splits (the round-up rule, 320 CTAs) 59.4 us, 4 splits 45.4; 32 x 4k 2 splits 152.7 us,
+//   1 split 138.7; 1 x 1k, 1 x 32k, 1 x 131k, 64 x 1k best at the counts both rules give.
+int choose_splits(int64_t bh, int64_t max_keys, int64_t rows, int64_t d, int64_t slots,
+                  bool one_wave) {
   constexpr int64_t kMaxSplits = 32;
   constexpr int64_t kPartialBytes = int64_t{256} << 20;
   const int64_t per = kMinSplitKeys;
+  bh = std::max<int64_t>(bh, 1);
   int64_t s = kMaxSplits;
-  s = std::min(s, (2 * static_cast<int64_t>(sms) + bh - 1) / std::max<int64_t>(bh, 1));
+  s = std::min(s, one_wave ? slots / bh : (slots + bh - 1) / bh);
   s = std::min(s, (max_keys + per - 1) / per);
   s = std::min(s, kPartialBytes / std::max<int64_t>(rows * (d + 1) * 4, 1));
   return static_cast<int>(std::max<int64_t>(s, 1));
@@ -366,13 +374,16 @@ void run(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_
   at::Tensor o = out_direct ? out : at::empty(q_in.sizes(), q_in.options());
 
   const int64_t rows = tq * hq;
+  const AttnKernel kernel = attn_kernel(q, k_cache, v_cache);
+  const bool wgmma = kernel != AttnKernel::kMma;
+  const int64_t sms = sm_count(static_cast<int>(q.get_device()));
   // split_keys: one split per split_keys absolute keys of the table's width (checked <= 32);
   // the partial buffer then has no cap: the caller chose it
   const int splits =
       split_keys > 0
           ? static_cast<int>((mb * bs + split_keys - 1) / split_keys)
-          : choose_splits(batch * hkv, mb * bs, rows, d,
-                          sm_count(static_cast<int>(q.get_device())));
+          : choose_splits(batch * hkv, mb * bs, rows, d, (wgmma ? kWgCtasPerSm : 2) * sms,
+                          wgmma);
   at::Tensor part, lse;
   if (splits > 1) {
     const auto f32 = q.options().dtype(at::kFloat);
@@ -423,8 +434,7 @@ void run(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_
   p.kv_vec = rows_aligned(k_cache, {0, 1, 2}) && rows_aligned(v_cache, {0, 1, 2});
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
-  const AttnKernel kernel = attn_kernel(q, k_cache, v_cache);
-  if (kernel != AttnKernel::kMma) {
+  if (wgmma) {
     const bool head_outer = k_cache.stride(2) > k_cache.stride(1);
     WgMaps maps{};
     maps.head_outer = head_outer ? 1 : 0;

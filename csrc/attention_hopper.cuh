@@ -42,6 +42,8 @@ namespace dflash_ops {
 namespace attention {
 
 constexpr int kWgThreads = 160;  // a consumer warpgroup + a loader warp
+// CTAs an SM (D 64 and 128: registers and shared memory allow two; the split count's one wave)
+constexpr int kWgCtasPerSm = 2;
 // The launch bound of attn_wgmma_kernel: the host reads it back (cudaFuncGetAttributes) to learn
 // whether this binary holds the sm_90a body (a build without sm_90a gets a stub of one warp).
 #if DFLASH_OPS_WGMMA || !defined(__CUDA_ARCH__)
@@ -283,7 +285,7 @@ __device__ __forceinline__ void wg_loader(const AttnParams& p, const WgMaps& map
 
 // One CTA per (request, KV head, split), as attn_mma_kernel; 160 threads.
 template <class E, int D>
-__global__ void __launch_bounds__(kWgBound, 2)
+__global__ void __launch_bounds__(kWgBound, kWgCtasPerSm)
     attn_wgmma_kernel(const __grid_constant__ AttnParams p, const __grid_constant__ WgMaps maps) {
 #if DFLASH_OPS_WGMMA
   using T = WgTile<D>;
