@@ -302,19 +302,8 @@ template <class E, int D>
 void launch_combine(const AttnParams& p, cudaStream_t stream) {
   if (p.splits > 1) {
     const unsigned blocks = static_cast<unsigned>((p.rows + kCombineRows - 1) / kCombineRows);
-    // a programmatic dependent of the attention grid (pdl_wait in the kernel): its launch
-    // overlaps that grid's tail; graph capture keeps the edge programmatic
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(blocks);
-    cfg.blockDim = dim3(32 * kCombineRows);
-    cfg.dynamicSmemBytes = 0;
-    cfg.stream = stream;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, combine_kernel<E, D>, p));
+    combine_kernel<E, D><<<blocks, 32 * kCombineRows, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
 

@@ -20,23 +20,6 @@ using namespace detail;  // common.cuh
 constexpr int kThreads = 128;  // 4 warps a CTA (both attention kernels)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kCombineRows = 8;  // combine_kernel: one warp per row, 8 rows a CTA
-constexpr int kCombineUnroll = 8;  // combine_kernel: splits whose loads are in flight at once
-
-// Programmatic dependent launch (sm_90+; no-ops before): combine_kernel is launched with
-// programmatic stream serialization, so its CTAs can start while the attention grid drains and
-// wait in pdl_wait until that grid has finished and its writes are visible; the attention
-// kernels' CTAs let it launch (pdl_launch_dependents) as soon as they start.
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
 
 struct AttnParams {
   const void* q;  // [Tq, Hq, D], element strides q_st_t, q_st_h; 16-byte aligned rows

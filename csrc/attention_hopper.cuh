@@ -308,7 +308,6 @@ __global__ void __launch_bounds__(kWgBound, kWgCtasPerSm)
     fence_async_smem();
   }
   __syncthreads();
-  pdl_launch_dependents();  // the combine's CTAs may start now (they wait for this grid's end)
   const int b = blockIdx.x / p.hkv, kvh = blockIdx.x - b * p.hkv;
   if (blockIdx.y == 0) zero_unowned<E, D>(p, b, kvh);
   const ReqInfo rq = request_info(p, b);

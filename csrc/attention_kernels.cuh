@@ -81,7 +81,6 @@ __global__ void __launch_bounds__(kThreads, 2)
   const uint32_t q_lane = q_u + q_row * T::ROW, k_lane = k_row * T::ROW, v_lane = v_row * T::ROW;
   const LaneChunks<T::DC> q_ch(q_row, lane >> 4), k_ch(k_row, (lane >> 3) & 1),
       v_ch(v_row, lane >> 4);
-  pdl_launch_dependents();  // the combine's CTAs may start now (they wait for this grid's end)
   const int b = blockIdx.x / p.hkv, kvh = blockIdx.x - b * p.hkv;
   if (blockIdx.y == 0) zero_unowned<E, D>(p, b, kvh);
   const ReqInfo rq = request_info(p, b);
@@ -342,15 +341,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // ---------------------------------------------------------------------------------------------
 // Split merge: one warp per output row (t, h) of [0, Tq) x [0, Hq); lane s < splits reads
-// lse_s, each lane 4 columns (lane * 4 + 128 k) of every split that saw a key, kCombineUnroll
-// splits a group. Measured (H200, 1 x 32k, 32 splits, Nsight Compute, caches flushed): one split
-// at a time 10.7 us, a DRAM round trip a split.
+// lse_s, each lane 4 columns (lane * 4 + 128 k) of every split that saw a key.
 template <class E, int D>
 __global__ void __launch_bounds__(32 * kCombineRows)
     combine_kernel(const __grid_constant__ AttnParams p) {
   using Bits = typename E::Bits;
   constexpr int NV = (D + 127) / 128;
-  pdl_wait();  // the attention grid's partials (launched as its programmatic dependent)
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x * kCombineRows + static_cast<int>(threadIdx.x >> 5);
   if (row >= p.rows) return;  // warp-uniform
@@ -362,32 +358,19 @@ __global__ void __launch_bounds__(32 * kCombineRows)
   float4 acc[NV];
 #pragma unroll
   for (int k = 0; k < NV; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-  // kCombineUnroll splits' loads in flight at once (then the FMAs in split order, the same
-  // sums as one split at a time): one L2 round trip a group, not a split
-  for (int s0 = 0; s0 < p.splits; s0 += kCombineUnroll) {
-    float ws[kCombineUnroll];
-    float4 v[kCombineUnroll][NV];
-#pragma unroll
-    for (int u = 0; u < kCombineUnroll; ++u) {
-      ws[u] = __shfl_sync(0xffffffffu, w, (s0 + u) & 31);  // 0 past the splits (w's lanes)
-      // a split with lse = -inf (ws 0) may not have written its O: not read
-      const float* const src = p.part + (static_cast<int64_t>(s0 + u) * p.rows + row) * D;
+  for (int s = 0; s < p.splits; ++s) {
+    const float ws = __shfl_sync(0xffffffffu, w, s);
+    if (ws > 0.f) {  // warp-uniform; a split with lse = -inf may not have written its O
+      const float* const src = p.part + (static_cast<int64_t>(s) * p.rows + row) * D;
 #pragma unroll
       for (int k = 0; k < NV; ++k) {
         const int d = lane * 4 + 128 * k;
-        v[u][k] = ws[u] > 0.f && d < D ? *reinterpret_cast<const float4*>(src + d)
-                                        : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kCombineUnroll; ++u) {
-      if (ws[u] > 0.f) {  // warp-uniform
-#pragma unroll
-        for (int k = 0; k < NV; ++k) {
-          acc[k].x = fmaf(ws[u], v[u][k].x, acc[k].x);
-          acc[k].y = fmaf(ws[u], v[u][k].y, acc[k].y);
-          acc[k].z = fmaf(ws[u], v[u][k].z, acc[k].z);
-          acc[k].w = fmaf(ws[u], v[u][k].w, acc[k].w);
+        if (d < D) {
+          const float4 v = *reinterpret_cast<const float4*>(src + d);
+          acc[k].x = fmaf(ws, v.x, acc[k].x);
+          acc[k].y = fmaf(ws, v.y, acc[k].y);
+          acc[k].z = fmaf(ws, v.z, acc[k].z);
+          acc[k].w = fmaf(ws, v.w, acc[k].w);
         }
       }
     }
