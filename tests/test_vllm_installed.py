@@ -7,8 +7,9 @@ same ``precompute_and_store_context_kv`` signature as vLLM's (at both levels); e
 the plugin reads is one vLLM's ``_build_fused_kv_buffers`` sets; and for every KV-cache layout
 vLLM declares, our K/V views are exactly the views vLLM's TRITON_ATTN cache update writes through.
 The attention backend: vLLM's configuration checks refuse what our kernels lack, the impl's
-constructor refuses the rest by name, and its forward / cache update (torch backend, CPU) equal
-our reference on vLLM's cache and metadata, padded rows untouched.
+constructor refuses the rest by name, every method they override keeps vLLM's signature, and
+its forward / cache update (torch backend, CPU) equal our reference on vLLM's cache and
+metadata, padded rows untouched.
 """
 from __future__ import annotations
 
@@ -231,6 +232,32 @@ def test_register_puts_our_backend_in_the_custom_slot(registry):
     assert custom.get_class() is DFlashOpsAttentionBackend
     assert issubclass(DFlashOpsAttentionBackend, TritonAttentionBackend)
     assert DFlashOpsAttentionBackend.get_name() == "CUSTOM"
+
+
+@pytest.mark.parametrize("cls", ["DFlashOpsAttentionImpl", "DFlashOpsAttentionBackend"])
+def test_backend_overrides_keep_vllms_signatures(cls):
+    """Every method our impl / backend overrides takes vLLM's parameters (names, kinds,
+    defaults): a vLLM release that changes one (API drift) fails here, not at serving time.
+    Overrides that forward ``*args, **kwargs`` unchanged are exempt."""
+    from dflash_ops.integrations.vllm import attention as ours
+    mine = getattr(ours, cls)
+    parent = mine.__mro__[1]
+
+    def params(f):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()]
+
+    checked = []
+    for name, attr in vars(mine).items():
+        f = getattr(attr, "__func__", attr)
+        if not callable(f) or not hasattr(parent, name) or name.startswith("__") and \
+                name != "__init__":
+            continue
+        kinds = {p.kind for p in inspect.signature(f).parameters.values()}
+        if {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD} <= kinds:
+            continue
+        assert params(getattr(mine, name)) == params(getattr(parent, name)), name
+        checked.append(name)
+    assert checked, f"{cls}: no overridden method was compared"
 
 
 def _validate(**over):
