@@ -20,7 +20,8 @@
 #            lasts; VLLM_VARIANT=bias-swa: a drafter with qkv/o bias and a window of 64
 #   vllm-counter: stock vs plugin + CUSTOM end to end on the counter pair (drafts accepted),
 #            fp32 (outputs and accepted counts equal) and bf16 (acceptance rates within 1%)
-#            (VLLM_DTYPES, VLLM_GEN_SIDES: stock plugin custom)
+#            (VLLM_DTYPES, VLLM_GEN_SIDES: stock plugin custom; VLLM_COUNTER_MODES: runner:kind
+#            entries, e.g. "0:graphs 1:graphs 0:eager 1:eager", runner 1 = V2, default 0:graphs)
 #   vllm-bench: benchmarks/bench_vllm.py on the 8B-width pair, one process per variant
 #            (VLLM_VARIANTS, default plain stock plugin custom; a variant may repeat, e.g.
 #            "plain stock plugin custom stock plugin custom": the table takes medians and says
@@ -141,26 +142,32 @@ if [ "$what" = vllm-counter ]; then  # end to end on a pair whose drafts are acc
     || { tail -20 "$OUT/vllm_install.log"; exit 1; }
   pair=/tmp/vllm-pair-counter
   python3 benchmarks/vllm_check.py make-pair $pair --variant counter
-  for dtype in ${VLLM_DTYPES:-float32 bfloat16}; do
+  for mode in ${VLLM_COUNTER_MODES:-0:graphs}; do  # runner (VLLM_USE_V2_MODEL_RUNNER):graphs|eager
+   runner=${mode%%:*}; kind=${mode#*:}; eager=""; [ "$kind" = eager ] && eager="--eager"
+   for dtype in ${VLLM_DTYPES:-float32 bfloat16}; do
+    tag="${dtype}_v${runner}_${kind}"
     for side in ${VLLM_GEN_SIDES:-stock custom}; do
       en=1; [ $side = stock ] && en=0
       be=TRITON_ATTN; [ $side = custom ] && be=CUSTOM
-      f="$OUT/vllm_counter_${dtype}_$side"
-      DFLASH_OPS_VLLM=$en timeout "${VLLM_TIMEOUT:-240}" python3 benchmarks/vllm_check.py \
-        generate $pair --dtype $dtype --draft-backend $be --out "$f.json" >"$f.log" 2>&1
+      f="$OUT/vllm_counter_${tag}_$side"
+      # shellcheck disable=SC2086
+      VLLM_USE_V2_MODEL_RUNNER=$runner DFLASH_OPS_VLLM=$en timeout "${VLLM_TIMEOUT:-240}" \
+        python3 benchmarks/vllm_check.py generate $pair --dtype $dtype --draft-backend $be \
+        $eager --out "$f.json" >"$f.log" 2>&1
       r=$?; [ $r -ne 0 ] && rc=$r
-      echo "counter $dtype $side (rc $r): $(( $(date +%s) - t0 )) s"
+      echo "counter $tag $side (rc $r): $(( $(date +%s) - t0 )) s"
       [ $r -ne 0 ] && grep -E "Error|Traceback" "$f.log" | tail -5
     done
     for side in ${VLLM_GEN_SIDES:-stock custom}; do
       [ $side = stock ] && continue
-      a="$OUT/vllm_counter_${dtype}_stock.json"; b="$OUT/vllm_counter_${dtype}_$side.json"
+      a="$OUT/vllm_counter_${tag}_stock.json"; b="$OUT/vllm_counter_${tag}_$side.json"
       [ -f "$a" ] && [ -f "$b" ] || continue
       how="--exact"; [ $dtype = bfloat16 ] && how="--rate-tol 0.01"
       # shellcheck disable=SC2086
       res=$(python3 benchmarks/vllm_check.py compare "$a" "$b" $how --min-rate 0.5); r=$?
-      echo "counter $dtype stock vs $side (rc $r): $res"; [ $r -ne 0 ] && rc=1
+      echo "counter $tag stock vs $side (rc $r): $res"; [ $r -ne 0 ] && rc=1
     done
+   done
   done
 fi
 if [ "$what" = vllm-bench ]; then
