@@ -5,6 +5,8 @@ Variants (one process each, consecutive, same machine):
   stock   vLLM's DFlash (DFLASH_OPS_VLLM=0)
   plugin  vLLM's DFlash with our context precompute
   custom  plugin + our draft attention backend ("attention_backend": "CUSTOM")
+  ours    no vLLM: our own loop (speculative_generate, CUDA graphs, policy off, greedy) on the
+          same checkpoints, and our graphed plain decode as its baseline (plain_ms_per_token)
 
 Per (batch B, context S): B fresh random prompts of S tokens (prefix caching off), greedy,
 ignore_eos; the decode time is the wall time of generating 1 + N tokens minus that of 1 token
@@ -35,7 +37,8 @@ from typing import Optional
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
-VARIANTS = ("plain", "stock", "plugin", "custom")
+VARIANTS = ("plain", "stock", "plugin", "custom", "ours")
+PRECOMPUTE_VARIANTS = ("stock", "plugin", "custom")  # vLLM's precompute, timed a call
 BLOCK = 16
 
 
@@ -161,13 +164,94 @@ def _kernel_us(prof) -> dict:
     return out
 
 
+def _profiled(fn, b: int, profile: int, iterations) -> Optional[dict]:
+    """Each kernel's GPU time (us) an iteration: ``fn(n)`` run for 1 and 1 + ``profile`` new
+    tokens under torch.profiler, the difference over the iterations ``iterations(result)``
+    counts in the longer run."""
+    if not profile:
+        return None
+    from torch.profiler import ProfilerActivity, profile as prof_ctx
+    runs = []
+    for n in (1, 1 + profile):
+        with prof_ctx(activities=[ProfilerActivity.CUDA]) as prof:
+            res = fn(n)
+        runs.append((_kernel_us(prof), res))
+    (k1, _), (kn, res) = runs
+    it = iterations(res)
+    return {k: round((v - k1.get(k, 0.0)) / max(it, 1), 3)
+            for k, v in kn.items() if v - k1.get(k, 0.0) > 0}
+
+
+def run_ours(args, batches, contexts) -> int:
+    """The ``ours`` variant: our loop and our graphed plain decode on the pair's checkpoints
+    (the target's HF format, the drafter's z-lab format), timed as the vLLM variants are: the
+    wall time of 1 + N new tokens minus that of 1 (the prefill), over the iterations."""
+    import torch
+    from dflash_ops.speculator.demo import (_checkpoint_pair, _decode_graphed,
+                                            _plain_greedy_timed, _speculative_timed)
+    t0 = time.time()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, args.dtype)
+    target, drafter = _checkpoint_pair(os.path.join(args.root, "target"),
+                                       os.path.join(args.root, "drafter"), dev, dtype, None,
+                                       max(contexts) + args.new + 64, max(batches))
+    start_s = time.time() - t0
+    vocab = target.cfg.vocab_size
+    g = torch.Generator().manual_seed(0)
+
+    steps = "graphs" if dev == "cuda" else "direct"  # CPU: the tests' run, no graphs
+
+    def spec(prompts, n):
+        toks, st, sec = _speculative_timed(target, drafter, prompts, n, steps, False,
+                                           policy=False)
+        return sec, st.iterations, toks
+
+    def plain(prompts, n):
+        _, sec = (_decode_graphed if dev == "cuda" else _plain_greedy_timed)(target, prompts, n)
+        return sec
+
+    with open(args.out, "a") as out:
+        for s in contexts:
+            for b in batches:
+                if time.time() - t0 > args.budget_s:
+                    print(f"budget: stopping before B {b} S {s}", flush=True)
+                    return 0
+                prompts = [torch.randint(2, vocab - 2, (s,), generator=g).tolist()
+                           for _ in range(b)]
+                spec(prompts, 2)  # warm this shape (and capture its graphs)
+                t_pre, _, _ = spec(prompts, 1)
+                t_all, iters, toks = spec(prompts, 1 + args.new)
+                plain(prompts, 2)
+                p_pre, p_all = plain(prompts, 1), plain(prompts, 1 + args.new)
+                new = sum(len(t) for t in toks) / b - 1
+                dec = max(t_all - t_pre, 0.0)
+                kernels = _profiled(lambda n: spec(prompts, n), b, args.profile,
+                                    lambda res: res[1])
+                rec = {"variant": "ours", "batch": b, "context": s, "new": args.new,
+                       "decode_s": round(dec, 4), "iterations": iters,
+                       "ms_per_iter": round(1e3 * dec / max(iters, 1), 3),
+                       "tokens_per_iter": round(new / max(iters, 1), 3),
+                       "plain_ms_per_token": round(1e3 * max(p_all - p_pre, 0.0)
+                                                   / max(args.new, 1), 3),
+                       "precompute_calls": 0, "precompute_ms_mean": None,
+                       "engine_start_s": round(start_s, 1), "dtype": args.dtype,
+                       "kernels_us_per_iter": kernels, "steps": steps,
+                       "commit": os.environ.get("DFLASH_OPS_COMMIT", "")}
+                out.write(json.dumps(rec) + "\n")
+                out.flush()
+                print(json.dumps(rec), flush=True)
+    return 0
+
+
 def run(args) -> int:
+    batches = [int(b) for b in args.batch.split(",")]
+    contexts = [int(c) for c in args.context.split(",")]
+    if args.variant == "ours":
+        return run_ours(args, batches, contexts)
     import torch
     from vllm import SamplingParams
     if args.variant == "stock":
         os.environ["DFLASH_OPS_VLLM"] = "0"
-    batches = [int(b) for b in args.batch.split(",")]
-    contexts = [int(c) for c in args.context.split(",")]
     with open(os.path.join(args.root, "target", "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     events = _timer(args.variant) if args.variant != "plain" else []
@@ -203,19 +287,10 @@ def run(args) -> int:
                 new = sum(len(o.outputs[0].token_ids) for o in outs) / b - 1
                 iters = drafts / b if args.variant != "plain" else new
                 dec = max(t_all - t_pre, 0.0)
-                kernels = None
-                if args.profile:  # decode's kernels an iteration: (1 + P tokens) - (1 token)
-                    from torch.profiler import ProfilerActivity, profile
-                    runs = []
-                    for n in (1, 1 + args.profile):
-                        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                            _, d, o = gen(b, s, n)
-                        runs.append((_kernel_us(prof), d, o))
-                    (k1, _, _), (kn, d, o) = runs
-                    it = d / b if args.variant != "plain" else \
-                        sum(len(x.outputs[0].token_ids) for x in o) / b - 1
-                    kernels = {k: round((v - k1.get(k, 0.0)) / max(it, 1), 3)
-                               for k, v in kn.items() if v - k1.get(k, 0.0) > 0}
+                # decode's kernels an iteration: (1 + P tokens) - (1 token)
+                kernels = _profiled(lambda n: gen(b, s, n), b, args.profile, lambda res: (
+                    res[1] / b if args.variant != "plain" else
+                    sum(len(x.outputs[0].token_ids) for x in res[2]) / b - 1))
                 rec = {"variant": args.variant, "batch": b, "context": s, "new": args.new,
                        "decode_s": round(dec, 4), "iterations": iters,
                        "ms_per_iter": round(1e3 * dec / max(iters, 1), 3),
@@ -263,7 +338,8 @@ def table(args) -> int:
     by, runs = merge_runs(rows)
     keys = sorted({(r["batch"], r["context"]) for r in rows}, key=lambda k: (k[1], k[0]))
     lines = ["| B x S | plain ms/token | " + " | ".join(
-        f"{v} ms/iter (+ over plain)" for v in VARIANTS[1:]) + " | precompute ms/call "
+        f"{v} ms/iter (+ over {'our plain decode' if v == 'ours' else 'plain'})"
+        for v in VARIANTS[1:]) + " | precompute ms/call "
         "stock / plugin / custom |", "|---|---|" + "---|" * (len(VARIANTS) - 1) + "---|"]
     for b, s in keys:
         plain = by.get(("plain", b, s))
@@ -273,9 +349,13 @@ def table(args) -> int:
             if r is None:
                 cells.append("-")
                 continue
-            add = f" (+{r['ms_per_iter'] - plain['ms_per_iter']:.3f})" if plain else ""
+            base = r.get("plain_ms_per_token") if v == "ours" else \
+                (plain["ms_per_iter"] if plain else None)
+            add = f" (+{r['ms_per_iter'] - base:.3f})" if base is not None else ""
+            if v == "ours" and base is not None:
+                add = f" (+{r['ms_per_iter'] - base:.3f} over {base:.3f})"
             cells.append(f"{r['ms_per_iter']:.3f}{add}")
-        pre = [by.get((v, b, s), {}).get("precompute_ms_mean") for v in VARIANTS[1:]]
+        pre = [by.get((v, b, s), {}).get("precompute_ms_mean") for v in PRECOMPUTE_VARIANTS]
         cells.append(" / ".join(f"{p:.3f}" if p is not None else "-" for p in pre))
         lines.append("| " + " | ".join(cells) + " |")
     if any(len(v) > 1 for v in runs.values()):  # repeated runs: the spread and the verdict
@@ -306,7 +386,8 @@ def table(args) -> int:
     if args.parts and any(r.get("kernels_us_per_iter") for r in by.values()):
         names = ["attention", "gemm", "norm/rope/kv", "other"]
         lines += ["", "GPU time an iteration by part, us (torch profiler; over plain in "
-                  "parentheses: the drafter's share)", "",
+                  "parentheses: the drafter's share; ours: our loop's whole iteration, our "
+                  "own target and drafter kernels)", "",
                   "| B x S | variant | " + " | ".join(names) + " | total |",
                   "|---|---|" + "---|" * (len(names) + 1)]
         for b, s in keys:
@@ -324,7 +405,7 @@ def table(args) -> int:
                     val = sum(parts.values()) if p == "total" else parts[p]
                     ref = (sum(base.values()) if p == "total" else base[p]) if base else None
                     cells.append(f"{val:.1f}" + (f" (+{val - ref:.1f})" if ref is not None
-                                                 and v != "plain" else ""))
+                                                 and v not in ("plain", "ours") else ""))
                 lines.append(f"| {b} x {s} | {v} | " + " | ".join(cells) + " |")
     if args.parts:
         split = {(b, s): attention_split(by, b, s) for b, s in keys}

@@ -23,7 +23,8 @@
 #            (VLLM_DTYPES, VLLM_GEN_SIDES: stock plugin custom; VLLM_COUNTER_MODES: runner:kind
 #            entries, e.g. "0:graphs 1:graphs 0:eager 1:eager", runner 1 = V2, default 0:graphs)
 #   vllm-bench: benchmarks/bench_vllm.py on the 8B-width pair, one process per variant
-#            (VLLM_VARIANTS, default plain stock plugin custom; a variant may repeat, e.g.
+#            (VLLM_VARIANTS, default plain stock plugin custom, and ours: our own loop on the
+#            same checkpoints, no vLLM; a variant may repeat, e.g.
 #            "plain stock plugin custom stock plugin custom": the table takes medians and says
 #            whether plugin vs stock lies outside the runs' spread; BENCH_ARGS for
 #            --batch/--context, --profile P for the kernel breakdown by part)

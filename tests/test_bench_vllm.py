@@ -1,4 +1,5 @@
-"""benchmarks/bench_vllm.py's table (the run needs vLLM on a GPU: gpu_check.sh vllm-bench)."""
+"""benchmarks/bench_vllm.py's table (the vLLM variants' run needs vLLM on a GPU: gpu_check.sh
+vllm-bench) and its ``ours`` variant (our loop on the pair's checkpoints: runs on CPU too)."""
 from __future__ import annotations
 
 import json
@@ -30,9 +31,9 @@ def test_table_gives_each_variants_added_time_over_plain(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_vllm.py"), "table",
                           str(res), "--md", str(md)], capture_output=True, text=True, check=True)
     lines = out.stdout.strip().splitlines()
-    assert lines[2] == ("| 1 x 1024 | 2.500 | 4.250 (+1.750) | 3.750 (+1.250) | - | "
+    assert lines[2] == ("| 1 x 1024 | 2.500 | 4.250 (+1.750) | 3.750 (+1.250) | - | - | "
                         "0.300 / 0.050 / - |")
-    assert lines[3] == "| 8 x 8192 | - | 9.000 | - | - | 1.000 / - / - |"
+    assert lines[3] == "| 8 x 8192 | - | 9.000 | - | - | - | 1.000 / - / - |"
     assert md.read_text().strip() == out.stdout.strip()
 
 
@@ -113,13 +114,13 @@ def test_table_takes_the_median_of_repeated_runs_and_judges_the_spread(tmp_path)
     lines = _table(rows, tmp_path)
     # the main table shows medians (plain: (2.0 + 2.2) / 2; stock 4.4; plugin 3.2)
     assert lines[2] == ("| 1 x 1024 | 2.100 | 4.400 (+2.300) | 3.200 (+1.100) | "
-                        "2.550 (+0.450) | - / - / - |")
+                        "2.550 (+0.450) | - | - / - / - |")
     at = lines.index(next(x for x in lines if x.startswith("repeated runs")))
     assert lines[at + 4] == ("| 1 x 1024 | 2.100 [2.000 - 2.200] (2) | 4.400 [4.000 - 5.000] "
-                             "(3) | 3.200 [3.000 - 4.500] (3) | 2.550 [2.500 - 2.600] (2) | "
+                             "(3) | 3.200 [3.000 - 4.500] (3) | 2.550 [2.500 - 2.600] (2) | - | "
                              "-1.200 (within the spread) | -1.850 (faster) |")
     assert lines[at + 5] == ("| 8 x 1024 | - | 8.100 [8.000 - 8.200] (2) | 9.250 [9.000 - "
-                             "9.500] (2) | - | +1.150 (slower) | - |")
+                             "9.500] (2) | - | - | +1.150 (slower) | - |")
     # one run each: no repeats table; a side with one run: no verdict
     assert not any(x.startswith("repeated runs") for x in _table(rows[:4], tmp_path))
     lines = _table(rows[:5], tmp_path)  # plain twice, the others once
@@ -154,3 +155,28 @@ def test_table_splits_the_precompute_kernels_the_plugin_replaces(tmp_path):
     lines = _table(rows, tmp_path, "--parts")
     # stock: 2 + 2 + 3 + (22 - 16) = 13; plugin: 1.5 + 2.5 = 4; removed 1 - 4 / 13 = 69%
     assert "| 8 x 1024 | 13.0 | 4.0 | 69% |" in lines, lines
+
+
+def test_ours_variant_runs_our_loop_on_the_pairs_checkpoints(tmp_path):
+    """``run --variant ours`` (no vLLM): our loop and our plain decode on a tiny pair written by
+    vllm_check.py make-pair; the table puts its time over our own plain decode."""
+    bench, check = (str(ROOT / "benchmarks" / f) for f in ("bench_vllm.py", "vllm_check.py"))
+    pair, res = tmp_path / "pair", tmp_path / "r.jsonl"
+    subprocess.run([sys.executable, check, "make-pair", str(pair), "--width", "tiny"],
+                   capture_output=True, text=True, check=True)
+    r = subprocess.run([sys.executable, bench, "run", str(pair), "--variant", "ours", "--batch",
+                        "1,2", "--context", "32", "--new", "8", "--dtype", "float32", "--out",
+                        str(res)], capture_output=True, text=True, env={
+                            **__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(x) for x in res.read_text().splitlines()]
+    assert [(x["variant"], x["batch"], x["context"]) for x in rows] == [
+        ("ours", 1, 32), ("ours", 2, 32)]
+    for x in rows:
+        assert x["iterations"] >= 1 and x["ms_per_iter"] > 0 and x["plain_ms_per_token"] > 0
+        assert x["steps"] == "direct"  # CPU: no graphs
+    lines = _table(rows, tmp_path)
+    want = rows[0]
+    assert lines[2].startswith("| 1 x 32 | - | - | - | - | ")
+    assert f"{want['ms_per_iter']:.3f} (+{want['ms_per_iter'] - want['plain_ms_per_token']:.3f} " \
+           f"over {want['plain_ms_per_token']:.3f})" in lines[2]
