@@ -36,8 +36,10 @@
 #   ncu:     Nsight Compute (--clock-control none, --set full) of one launch of NCU_KERNEL
 #            (default attn_mma_kernel) in NCU_CMD (default bench_attention 1 x 131072 paged):
 #            $OUT/ncu.ncu-rep and its details page as text
-#   compare: bench_drafter --quick --no-ref and bench_e2e --quick of the tree in .old (an older
-#            commit, carried; built in place) and of this tree, alternating old/new twice, so a
+#   compare: bench_drafter --quick --no-ref and bench_e2e --quick (COMPARE_SUITES; attention:
+#            bench_attention with COMPARE_ATTN_ARGS, default the splits table at five shapes) of
+#            the tree in .old (an older commit, carried; built in place) and of this tree,
+#            alternating old/new twice, so a
 #            change's speed is compared within one call (drift between calls is ~4%); OLD_DIR
 #            names another place for the old tree (e.g. one built earlier outside the checkout)
 # Set DFLASH_OPS_COMMIT (the device copy has no .git) so result files name the commit; compare
@@ -240,13 +242,19 @@ if [ "$what" = compare ]; then
     fi
     for side in old new; do
       if [ $side = old ]; then dir=$old_dir; commit=${OLD_COMMIT:-old}; else dir=$PWD; commit=$new_commit; fi
-      for suite in drafter e2e; do
-        extra=""; [ $suite = drafter ] && extra="--no-ref"
+      for suite in ${COMPARE_SUITES:-drafter e2e}; do
+        case $suite in
+          drafter) extra="--quick --no-ref" ;;
+          attention) extra=${COMPARE_ATTN_ARGS:---no-flex --tables splits --cases 1x1024,1x32768,8x4096,32x4096,1x131072} ;;
+          *) extra="--quick" ;;
+        esac
+        # shellcheck disable=SC2086
         (cd "$dir" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" DFLASH_OPS_COMMIT=$commit \
-          timeout 200 python3 "benchmarks/bench_$suite.py" --quick $extra --no-plot \
+          timeout 200 python3 "benchmarks/bench_$suite.py" $extra --no-plot \
             --out "$OUT/cmp-$side-$round" > "$OUT/cmp_${suite}_${side}_${round}.log" 2>&1)
         echo "== $suite $side ($commit) round $round: $(( $(date +%s) - t0 )) s"
-        grep -A10 "^summary" "$OUT/cmp_${suite}_${side}_${round}.log" | head -12
+        if [ $suite = attention ]; then grep -E "^B=" "$OUT/cmp_${suite}_${side}_${round}.log" | head -40
+        else grep -A10 "^summary" "$OUT/cmp_${suite}_${side}_${round}.log" | head -12; fi
       done
     done
   done
