@@ -164,6 +164,23 @@ def _kernel_us(prof) -> dict:
     return out
 
 
+def _shapes(contexts, batches, t0: float, budget_s: float):
+    """(S, B) in the run's order while the time budget lasts (a line says where it stopped)."""
+    for s in contexts:
+        for b in batches:
+            if time.time() - t0 > budget_s:
+                print(f"budget: stopping before B {b} S {s}", flush=True)
+                return
+            yield s, b
+
+
+def _emit(out, rec: dict) -> None:
+    """One result record: appended to the results file (flushed) and printed."""
+    out.write(json.dumps(rec) + "\n")
+    out.flush()
+    print(json.dumps(rec), flush=True)
+
+
 def _profiled(fn, b: int, profile: int, iterations) -> Optional[dict]:
     """Each kernel's GPU time (us) an iteration: ``fn(n)`` run for 1 and 1 + ``profile`` new
     tokens under torch.profiler, the difference over the iterations ``iterations(result)``
@@ -211,38 +228,32 @@ def run_ours(args, batches, contexts) -> int:
         return sec
 
     with open(args.out, "a") as out:
-        for s in contexts:
-            for b in batches:
-                if time.time() - t0 > args.budget_s:
-                    print(f"budget: stopping before B {b} S {s}", flush=True)
-                    return 0
-                prompts = [torch.randint(2, vocab - 2, (s,), generator=g).tolist()
-                           for _ in range(b)]
-                spec(prompts, 2)  # warm this shape (and capture its graphs)
-                # the faster of two runs each (one run of a short call is noisy on a host)
-                t_pre = min(spec(prompts, 1)[0] for _ in range(2))
-                t_all, iters, toks = min((spec(prompts, 1 + args.new) for _ in range(2)),
-                                         key=lambda run: run[0])
-                plain(prompts, 2)
-                p_pre = min(plain(prompts, 1) for _ in range(2))
-                p_all = min(plain(prompts, 1 + args.new) for _ in range(2))
-                new = sum(len(t) for t in toks) / b - 1
-                dec = max(t_all - t_pre, 0.0)
-                kernels = _profiled(lambda n: spec(prompts, n), b, args.profile,
-                                    lambda res: res[1])
-                rec = {"variant": "ours", "batch": b, "context": s, "new": args.new,
-                       "decode_s": round(dec, 4), "iterations": iters,
-                       "ms_per_iter": round(1e3 * dec / max(iters, 1), 3),
-                       "tokens_per_iter": round(new / max(iters, 1), 3),
-                       "plain_ms_per_token": round(1e3 * max(p_all - p_pre, 0.0)
-                                                   / max(args.new, 1), 3),
-                       "precompute_calls": 0, "precompute_ms_mean": None,
-                       "engine_start_s": round(start_s, 1), "dtype": args.dtype,
-                       "kernels_us_per_iter": kernels, "steps": steps,
-                       "commit": os.environ.get("DFLASH_OPS_COMMIT", "")}
-                out.write(json.dumps(rec) + "\n")
-                out.flush()
-                print(json.dumps(rec), flush=True)
+        for s, b in _shapes(contexts, batches, t0, args.budget_s):
+            prompts = [torch.randint(2, vocab - 2, (s,), generator=g).tolist()
+                       for _ in range(b)]
+            spec(prompts, 2)  # warm this shape (and capture its graphs)
+            # the faster of two runs each (one run of a short call is noisy on a host)
+            t_pre = min(spec(prompts, 1)[0] for _ in range(2))
+            t_all, iters, toks = min((spec(prompts, 1 + args.new) for _ in range(2)),
+                                     key=lambda run: run[0])
+            plain(prompts, 2)
+            p_pre = min(plain(prompts, 1) for _ in range(2))
+            p_all = min(plain(prompts, 1 + args.new) for _ in range(2))
+            new = sum(len(t) for t in toks) / b - 1
+            dec = max(t_all - t_pre, 0.0)
+            kernels = _profiled(lambda n: spec(prompts, n), b, args.profile,
+                                lambda res: res[1])
+            rec = {"variant": "ours", "batch": b, "context": s, "new": args.new,
+                   "decode_s": round(dec, 4), "iterations": iters,
+                   "ms_per_iter": round(1e3 * dec / max(iters, 1), 3),
+                   "tokens_per_iter": round(new / max(iters, 1), 3),
+                   "plain_ms_per_token": round(1e3 * max(p_all - p_pre, 0.0)
+                                               / max(args.new, 1), 3),
+                   "precompute_calls": 0, "precompute_ms_mean": None,
+                   "engine_start_s": round(start_s, 1), "dtype": args.dtype,
+                   "kernels_us_per_iter": kernels, "steps": steps,
+                   "commit": os.environ.get("DFLASH_OPS_COMMIT", "")}
+            _emit(out, rec)
     return 0
 
 
@@ -277,36 +288,30 @@ def run(args) -> int:
 
     gen(1, 64, 8)  # warm-up
     with open(args.out, "a") as out:
-        for s in contexts:
-            for b in batches:
-                if time.time() - t0 > args.budget_s:
-                    print(f"budget: stopping before B {b} S {s}", flush=True)
-                    return 0
-                gen(b, s, 2)  # warm this shape
-                t_pre, _, _ = gen(b, s, 1)
-                events.clear()
-                t_all, drafts, outs = gen(b, s, 1 + args.new)
-                pre_ms = [a.elapsed_time(e) for a, e in events]
-                new = sum(len(o.outputs[0].token_ids) for o in outs) / b - 1
-                iters = drafts / b if args.variant != "plain" else new
-                dec = max(t_all - t_pre, 0.0)
-                # decode's kernels an iteration: (1 + P tokens) - (1 token)
-                kernels = _profiled(lambda n: gen(b, s, n), b, args.profile, lambda res: (
-                    res[1] / b if args.variant != "plain" else
-                    sum(len(x.outputs[0].token_ids) for x in res[2]) / b - 1))
-                rec = {"variant": args.variant, "batch": b, "context": s, "new": args.new,
-                       "decode_s": round(dec, 4), "iterations": iters,
-                       "ms_per_iter": round(1e3 * dec / max(iters, 1), 3),
-                       "tokens_per_iter": round(new / max(iters, 1), 3),
-                       "precompute_calls": len(pre_ms),
-                       "precompute_ms_mean": round(sum(pre_ms) / len(pre_ms), 4)
-                       if pre_ms else None,
-                       "engine_start_s": round(start_s, 1), "dtype": args.dtype,
-                       "kernels_us_per_iter": kernels,
-                       "commit": os.environ.get("DFLASH_OPS_COMMIT", "")}
-                out.write(json.dumps(rec) + "\n")
-                out.flush()
-                print(json.dumps(rec), flush=True)
+        for s, b in _shapes(contexts, batches, t0, args.budget_s):
+            gen(b, s, 2)  # warm this shape
+            t_pre, _, _ = gen(b, s, 1)
+            events.clear()
+            t_all, drafts, outs = gen(b, s, 1 + args.new)
+            pre_ms = [a.elapsed_time(e) for a, e in events]
+            new = sum(len(o.outputs[0].token_ids) for o in outs) / b - 1
+            iters = drafts / b if args.variant != "plain" else new
+            dec = max(t_all - t_pre, 0.0)
+            # decode's kernels an iteration: (1 + P tokens) - (1 token)
+            kernels = _profiled(lambda n: gen(b, s, n), b, args.profile, lambda res: (
+                res[1] / b if args.variant != "plain" else
+                sum(len(x.outputs[0].token_ids) for x in res[2]) / b - 1))
+            rec = {"variant": args.variant, "batch": b, "context": s, "new": args.new,
+                   "decode_s": round(dec, 4), "iterations": iters,
+                   "ms_per_iter": round(1e3 * dec / max(iters, 1), 3),
+                   "tokens_per_iter": round(new / max(iters, 1), 3),
+                   "precompute_calls": len(pre_ms),
+                   "precompute_ms_mean": round(sum(pre_ms) / len(pre_ms), 4)
+                   if pre_ms else None,
+                   "engine_start_s": round(start_s, 1), "dtype": args.dtype,
+                   "kernels_us_per_iter": kernels,
+                   "commit": os.environ.get("DFLASH_OPS_COMMIT", "")}
+            _emit(out, rec)
     return 0
 
 
