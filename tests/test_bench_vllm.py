@@ -165,8 +165,8 @@ def test_ours_variant_runs_our_loop_on_the_pairs_checkpoints(tmp_path):
     subprocess.run([sys.executable, check, "make-pair", str(pair), "--width", "tiny"],
                    capture_output=True, text=True, check=True)
     r = subprocess.run([sys.executable, bench, "run", str(pair), "--variant", "ours", "--batch",
-                        "1,2", "--context", "32", "--new", "8", "--dtype", "float32", "--out",
-                        str(res)], capture_output=True, text=True, env={
+                        "1,2", "--context", "32", "--new", "8", "--dtype", "float32", "--profile",
+                        "2", "--out", str(res)], capture_output=True, text=True, env={
                             **__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(x) for x in res.read_text().splitlines()]
@@ -175,6 +175,7 @@ def test_ours_variant_runs_our_loop_on_the_pairs_checkpoints(tmp_path):
     for x in rows:
         assert x["iterations"] >= 1 and x["ms_per_iter"] > 0 and x["plain_ms_per_token"] > 0
         assert x["steps"] == "direct"  # CPU: no graphs
+        assert isinstance(x["kernels_us_per_iter"], dict)  # --profile ran (CPU: no GPU time)
     lines = _table(rows, tmp_path)
     want = rows[0]
     assert lines[2].startswith("| 1 x 32 | - | - | - | - | ")
