@@ -155,9 +155,10 @@ constexpr int64_t kMinSplitKeys = 128;
 // - mma.sync kernel: about twice the SMs (rounded up);
 // - wgmma kernel (`one_wave`): at most one wave of its resident CTAs (`slots`, rounded down): a
 //   second, partial wave runs its few CTAs at their own rate, not the copy rate. Measured (H200,
-//   16 queries, Hq 32 / Hkv 8, D 128, graph replay; results/session21-2026-12-04/*splits*.md): 8 x 4k
-//   5 splits (the round-up rule, 320 CTAs) 59.4 us, 4 splits 45.4; 32 x 4k 2 splits 152.7 us,
-//   1 split 138.7; 1 x 1k, 1 x 32k, 1 x 131k, 64 x 1k best at the counts both rules give.
+//   16 queries, Hq 32 / Hkv 8, D 128, graph replay; results/session21-2026-12-04/*splits*.md):
+//   8 x 4k 5 splits (the round-up rule, 320 CTAs) 59.4 us, 4 splits 45.4; 32 x 4k 2 splits
+//   152.7 us, 1 split 138.7; 1 x 1k, 1 x 32k, 1 x 131k, 64 x 1k best at the counts both rules
+//   give.
 int choose_splits(int64_t bh, int64_t max_keys, int64_t rows, int64_t d, int64_t slots,
                   bool one_wave) {
   constexpr int64_t kMaxSplits = 32;
