@@ -34,6 +34,7 @@
 
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/ones.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -72,15 +73,82 @@ struct ContextParams {
   FastDiv div_hkv;         // Hkv
   uint32_t rows;           // T * Hkv < 2^31: head rows a layer
   bool slots32;            // n_slots < 2^31
+  // hidden_rms (the XRMS kernels): every kv row of token t becomes T(kv * rstd_t + bias), rstd_t
+  // = 1 / sqrt(mean(x_t^2) + eps) (the hidden RMSNorm whose weight the caller folded into w_kv)
+  const void* x;           // x[T, H], row stride x_st, unit column stride
+  int64_t x_st;
+  int h;
+  float inv_h;             // 1 / H (0 when H = 0)
+  bool x_vec;              // x's rows in 16-byte vectors
+  const void* bias;        // bias[N], unit stride, or null (added after the scaling)
 };
 
 constexpr int kBlock = 256;
+// hidden_rms: at most this many tokens take the fused path (each layer's CTAs compute their
+// tokens' rstd from x); above it, a norm pass of ones (x read once, not once a layer).
+constexpr int64_t kRmsFusedTokens = 256;
+
+// The block's tokens' rstd (hidden_rms): a warp a token over x's row, into rstd_s[token - t0].
+template <class E, class Params>
+__device__ __forceinline__ void token_rstd(const Params& p, uint32_t t0, int ntok,
+                                           float* rstd_s) {
+  using Bits = typename E::Bits;
+  constexpr int XV = 16 / static_cast<int>(sizeof(Bits));
+  const int warp = static_cast<int>(threadIdx.x >> 5), wl = static_cast<int>(threadIdx.x & 31);
+  for (int j = warp; j < ntok; j += kBlock / 32) {
+    const Bits* const xr = static_cast<const Bits*>(p.x) + int64_t(t0 + j) * p.x_st;
+    float ss = 0.f;
+    if (p.x_vec) {
+      for (int c = wl * XV; c < p.h; c += 32 * XV) {
+        const Pack<Bits, XV> v = load_vec<Bits, XV>(xr + c);
+#pragma unroll
+        for (int e = 0; e < XV; ++e) {
+          const float f = E::to_float(v.e[e]);
+          ss = fmaf(f, f, ss);
+        }
+      }
+    } else {
+      for (int c = wl; c < p.h; c += 32) {
+        const float f = E::to_float(xr[c]);
+        ss = fmaf(f, f, ss);
+      }
+    }
+#pragma unroll
+    for (int m = 16; m >= 1; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
+    if (wl == 0) rstd_s[j] = rsqrtf(ss * p.inv_h + p.rope.eps);
+  }
+}
+
+// cur <- T(cur * r + bias) on the lane's units (bias at the row's offsets, unit stride; null:
+// none): the GEMM's rows divided by rms(x_t) before the bias (hidden_rms).
+template <class E, int V, int NU, bool NEOX>
+__device__ __forceinline__ void scale_units(const LaneUnits<V, NU, NEOX>& lu, float r,
+                                            const typename E::Bits* bias,
+                                            Unit<typename E::Bits, V> (&cur)[NU]) {
+  using Bits = typename E::Bits;
+#pragma unroll
+  for (int j = 0; j < NU; ++j) {
+    if (!lu.act[j]) continue;
+    Unit<Bits, V> b;
+    if (bias != nullptr) {
+      b.a = load_weight<Bits, V>(bias + lu.off_a[j]);
+      b.b = load_weight<Bits, V>(bias + lu.off_b[j]);
+    }
+#pragma unroll
+    for (int k = 0; k < 2 * V; ++k) {
+      float f = E::to_float(cur[j][k]) * r;
+      if (bias != nullptr) f += E::to_float(b[k]);
+      cur[j][k] = E::from_float(f);
+    }
+  }
+}
 
 // One group of tpr = 2^tpr_log2 lanes per (token, head) of layer blockIdx.y, NU units a lane,
 // V elements a vector. Registers: see the report of PTXAS_VERBOSE=1 .ci/nvcc_check.sh; the
-// vector path is held to 48 (5 blocks an SM, 80 KB of K and V in flight), no spills.
-template <class E, int V, int NU, bool NEOX, int MAXL>
-__global__ void __launch_bounds__(kBlock, V > 1 ? 5 : 1)
+// vector path is held to 48 (5 blocks an SM, 80 KB of K and V in flight), no spills; with
+// hidden_rms (XRMS: the x reduction and the bias) to 64 (4 blocks).
+template <class E, int V, int NU, bool NEOX, bool XRMS, int MAXL>
+__global__ void __launch_bounds__(kBlock, V > 1 ? (XRMS ? 4 : 5) : 1)
     context_kv_kernel(const __grid_constant__ ContextParams<MAXL> p, const int tpr_log2) {
   using Bits = typename E::Bits;
   const int layer = blockIdx.y;
@@ -111,6 +179,19 @@ __global__ void __launch_bounds__(kBlock, V > 1 ? 5 : 1)
     slot = __ldg(p.slots + int64_t(t) * p.slot_stride);
   }
 
+  if constexpr (XRMS) {  // kv <- T(kv / rms(x_t) + bias): the block's tokens' rstd first
+    __shared__ float rstd_s[kBlock];  // a block holds at most kBlock rows, so as many tokens
+    const uint32_t row0 = blockIdx.x * (kBlock >> tpr_log2);
+    const uint32_t row_last = min(row0 + (kBlock >> tpr_log2), p.rows) - 1;
+    const uint32_t t0 = p.div_hkv.div(row0);
+    token_rstd<E>(p, t0, static_cast<int>(p.div_hkv.div(row_last) - t0) + 1, rstd_s);
+    __syncthreads();
+    const float r = valid ? rstd_s[t - t0] : 0.f;
+    const Bits* const bias = static_cast<const Bits*>(p.bias);
+    const int64_t b_off = int64_t(layer) * p.s_layer + int64_t(h) * p.s_head;
+    scale_units<E>(lu, r, bias == nullptr ? nullptr : bias + b_off, k);
+    scale_units<E>(lu, r, bias == nullptr ? nullptr : bias + b_off + p.s_v, v);
+  }
   norm_units<E>(p.rope, lu, w, w_col, tpr, k);  // k <- T(T(k * rstd) * w); every lane
   if (!valid || slot < 0 || slot >= p.n_slots) return;  // padding, or past the cache
 
@@ -163,7 +244,7 @@ void check_context(const at::Tensor& x, const at::Tensor& w_kv,
                    const at::Tensor& positions, const at::Tensor& cos_sin_cache,
                    const at::Tensor& slot_mapping, at::TensorList k_caches,
                    at::TensorList v_caches, double eps,
-                   const std::optional<at::Tensor>& hidden_norm_weight) {
+                   const std::optional<at::Tensor>& hidden_norm_weight, bool hidden_rms) {
   constexpr const char* op = "context_kv_";
   check_proj(op, x, w_kv, bias);
   const at::Device device = x.device();
@@ -192,6 +273,9 @@ void check_context(const at::Tensor& x, const at::Tensor& w_kv,
     check_device(op, "hidden_norm_weight", *hidden_norm_weight, device);
     check_shape(op, "hidden_norm_weight", *hidden_norm_weight, {x.size(1)});
     check_same_dtype(op, "hidden_norm_weight", *hidden_norm_weight, "x", x);
+    TORCH_CHECK_VALUE(!hidden_rms, "dflash.", op, ": hidden_rms must be False when "
+                      "hidden_norm_weight is given (hidden_rms is the norm with its weight folded "
+                      "into w_kv), got True");
   }
   check_eps(op, eps);
   check_max_layers(op, "k_caches", n_layers, kMaxLayers);
@@ -204,33 +288,47 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& w_kv,
   return bias.has_value() ? at::addmm(*bias, x, w_kv.t()) : at::mm(x, w_kv.t());
 }
 
-template <class E, int V, int NU, int MAXL>
+template <class E, int V, int NU, bool XRMS, int MAXL>
 void launch(const ContextParams<MAXL>& p, bool neox, int tpr_log2, dim3 grid,
             cudaStream_t stream) {
   if (neox) {
-    context_kv_kernel<E, V, NU, true, MAXL><<<grid, kBlock, 0, stream>>>(p, tpr_log2);
+    context_kv_kernel<E, V, NU, true, XRMS, MAXL><<<grid, kBlock, 0, stream>>>(p, tpr_log2);
   } else {
-    context_kv_kernel<E, V, NU, false, MAXL><<<grid, kBlock, 0, stream>>>(p, tpr_log2);
+    context_kv_kernel<E, V, NU, false, XRMS, MAXL><<<grid, kBlock, 0, stream>>>(p, tpr_log2);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <class E, bool XRMS, int MAXL>
+void launch_path(const ContextParams<MAXL>& p, bool vec, bool neox, int tpr_log2, dim3 grid,
+                 cudaStream_t stream) {
+  constexpr int kVec = 16 / static_cast<int>(sizeof(typename E::Bits));
+  if (vec) {
+    launch<E, kVec, 1, XRMS>(p, neox, tpr_log2, grid, stream);
+  } else {
+    launch<E, 1, 4, XRMS>(p, neox, tpr_log2, grid, stream);
+  }
 }
 
 template <class E, int MAXL>
 void launch_dtype(const ContextParams<MAXL>& p, bool vec, bool neox, int tpr_log2, dim3 grid,
                   cudaStream_t stream) {
-  constexpr int kVec = 16 / static_cast<int>(sizeof(typename E::Bits));
-  if (vec) {
-    launch<E, kVec, 1>(p, neox, tpr_log2, grid, stream);
+  if (p.x != nullptr) {
+    launch_path<E, true>(p, vec, neox, tpr_log2, grid, stream);
   } else {
-    launch<E, 1, 4>(p, neox, tpr_log2, grid, stream);
+    launch_path<E, false>(p, vec, neox, tpr_log2, grid, stream);
   }
 }
 
 // The epilogue over kv [T, N] (contiguous rows): builds the parameters and launches.
+// x_rms (hidden_rms, a defined tensor): x [T, H] with unit column stride, and bias_rms (or
+// undefined) [N] with unit stride, applied by the kernel after the 1 / rms(x_t) scaling.
 template <int MAXL>
 void run_epilogue(const at::Tensor& kv, const at::Tensor& k_weight, const at::Tensor& positions,
                   const at::Tensor& cos_sin_cache, const at::Tensor& slot_mapping,
-                  at::TensorList k_caches, at::TensorList v_caches, double eps, bool is_neox) {
+                  at::TensorList k_caches, at::TensorList v_caches, double eps, bool is_neox,
+                  const at::Tensor& x_rms = at::Tensor(),
+                  const at::Tensor& bias_rms = at::Tensor()) {
   const int64_t t = kv.size(0), n_layers = static_cast<int64_t>(k_caches.size());
   const int64_t hkv = k_caches[0].size(2), d = k_caches[0].size(3);
   const int64_t es = kv.element_size();
@@ -256,12 +354,22 @@ void run_epilogue(const at::Tensor& kv, const at::Tensor& k_weight, const at::Te
   p.slots32 = n_slots < std::numeric_limits<int32_t>::max();
   if (p.slots32) p.div_bs = make_fast_div(p.block_size);
   p.div_hkv = make_fast_div(hkv);
+  if (x_rms.defined()) {
+    const int64_t xv = 16 / x_rms.element_size();
+    p.x = x_rms.data_ptr();
+    p.x_st = x_rms.stride(0);
+    p.h = static_cast<int>(x_rms.size(1));
+    p.inv_h = p.h > 0 ? 1.f / static_cast<float>(p.h) : 0.f;
+    p.x_vec = aligned16(p.x) && (t <= 1 || p.x_st % xv == 0) && p.h % xv == 0;
+    p.bias = bias_rms.defined() ? bias_rms.data_ptr() : nullptr;
+  }
 
   // The vector path: every row start (kv, caches) and k_weight row on 16-byte boundaries,
   // k_weight with unit column stride, and for NeoX the halves and tail halves in whole vectors.
   bool vec = !is_neox || (p.rope.half % vmax == 0 && p.rope.tail_half % vmax == 0);
   vec = vec && aligned16(p.kv) && p.s_tok % vmax == 0;  // s_layer, s_head: multiples of D
   vec = vec && aligned16(p.w) && p.w_row % vmax == 0 && p.w_col == 1;
+  vec = vec && (p.bias == nullptr || aligned16(p.bias));  // hidden_rms's bias: vector loads
   // Cache byte strides; those of size-1 dims never multiply a non-zero index: 0.
   auto bstride = [es](const at::Tensor& c, int dim) -> int64_t {
     return c.size(dim) > 1 ? c.stride(dim) * es : 0;
@@ -324,29 +432,42 @@ void context_kv_(const at::Tensor& x, const at::Tensor& w_kv,
                  const at::Tensor& positions, const at::Tensor& cos_sin_cache,
                  const at::Tensor& slot_mapping, at::TensorList k_caches,
                  at::TensorList v_caches, double eps, bool is_neox,
-                 const std::optional<at::Tensor>& hidden_norm_weight) {
+                 const std::optional<at::Tensor>& hidden_norm_weight, bool hidden_rms) {
   check_context(x, w_kv, bias, k_weight, positions, cos_sin_cache, slot_mapping, k_caches,
-                v_caches, eps, hidden_norm_weight);
+                v_caches, eps, hidden_norm_weight, hidden_rms);
   const int64_t t = x.size(0), hkv = k_caches[0].size(2);
   const int64_t n_slots = k_caches[0].size(0) * k_caches[0].size(1);
   if (t == 0 || hkv == 0 || n_slots == 0) return;  // nothing to write
 
   const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor h = x;
-  if (hidden_norm_weight.has_value()) {
+  // hidden_rms at up to kRmsFusedTokens tokens: the GEMM without the bias, then the epilogue
+  // scales each row by 1 / rms(x_t) and adds the bias (one launch after the GEMM); above, a norm
+  // pass with unit weights and the plain path
+  const bool fused_rms = hidden_rms && t <= kRmsFusedTokens;
+  at::Tensor h = x, x_rms, bias_rms;
+  if (hidden_norm_weight.has_value() || (hidden_rms && !fused_rms)) {
     // rms_norm takes rows and weights with unit stride in the last dim; the op takes any.
-    const at::Tensor hw =
-        last_dim_ok(*hidden_norm_weight) ? *hidden_norm_weight : hidden_norm_weight->contiguous();
+    at::Tensor hw;
+    if (!hidden_norm_weight.has_value()) {
+      hw = at::ones({x.size(1)}, x.options());
+    } else {
+      hw = last_dim_ok(*hidden_norm_weight) ? *hidden_norm_weight
+                                            : hidden_norm_weight->contiguous();
+    }
     h = rms_norm(last_dim_ok(x) ? x : x.contiguous(), hw, eps);
   }
-  at::Tensor kv = project(h, w_kv, bias);  // [T, L * 2 * Hkv * D]
+  if (fused_rms) {
+    x_rms = last_dim_ok(x) ? x : x.contiguous();
+    if (bias.has_value()) bias_rms = bias->stride(0) == 1 ? *bias : bias->contiguous();
+  }
+  at::Tensor kv = project(h, w_kv, fused_rms ? std::nullopt : bias);  // [T, L * 2 * Hkv * D]
   if (kv.stride(1) != 1) kv = kv.contiguous();
   if (k_caches.size() <= 8) {
     run_epilogue<8>(kv, k_weight, positions, cos_sin_cache, slot_mapping, k_caches, v_caches,
-                    eps, is_neox);
+                    eps, is_neox, x_rms, bias_rms);
   } else {
     run_epilogue<kMaxLayers>(kv, k_weight, positions, cos_sin_cache, slot_mapping, k_caches,
-                             v_caches, eps, is_neox);
+                             v_caches, eps, is_neox, x_rms, bias_rms);
   }
 }
 

@@ -81,9 +81,11 @@ at::Tensor kv_proj(const at::Tensor& x, const at::Tensor& w_kv,
 // context_kv_(Tensor x, Tensor w_kv, Tensor? bias, Tensor k_weight, Tensor positions,
 //             Tensor cos_sin_cache, Tensor slot_mapping, Tensor(a!)[] k_caches,
 //             Tensor(b!)[] v_caches, float eps, bool is_neox,
-//             Tensor? hidden_norm_weight=None) -> ()
+//             Tensor? hidden_norm_weight=None, bool hidden_rms=False) -> ()
 //   The whole context K/V path of L layers: x = rms_norm(x, hidden_norm_weight, eps) when given
-//   ([H]); kv = kv_proj(x, w_kv, bias) viewed as [T, L, 2, Hkv, D]; then one launch writes, for
+//   ([H]); kv = kv_proj(x, w_kv, bias) viewed as [T, L, 2, Hkv, D] (hidden_rms: the norm's
+//   weight folded into w_kv by the caller, kv = (x @ w_kv^T) / rms(x_t) + bias; at T <= 256 the
+//   epilogue does the scaling and the bias: one launch after the GEMM); then one launch writes, for
 //   every token and layer, K = rope(rms_norm(kv[t, l, 0], k_weight[l], eps)) (knorm_rope_'s
 //   numerics) and V = kv[t, l, 1] to block slot / block_size, row slot % block_size of
 //   k_caches[l] / v_caches[l]; a slot < 0 or >= num_blocks * block_size is skipped, a position
@@ -98,7 +100,7 @@ void context_kv_(const at::Tensor& x, const at::Tensor& w_kv,
                  const at::Tensor& positions, const at::Tensor& cos_sin_cache,
                  const at::Tensor& slot_mapping, at::TensorList k_caches,
                  at::TensorList v_caches, double eps, bool is_neox,
-                 const std::optional<at::Tensor>& hidden_norm_weight);
+                 const std::optional<at::Tensor>& hidden_norm_weight, bool hidden_rms);
 
 // block_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens,
 //                 Tensor query_start_loc, float scale, bool causal=False, int window=-1,

@@ -5,7 +5,8 @@ untouched elements bit for bit, -1 and out-of-range slots, positions outside the
 2x the torch reference's error in the dtype, V within one rounding of it), run in bf16 (and a
 few fp16/fp32) over a grid: T 1/7/16/257/4096, L 1/5/8, Hkv 1/4/8, D 64/128/256,
 NeoX and GPT-J, full and partial rotary (one R not a power of two: the tl.gather path), caches as
-separate tensors and as vLLM views, hidden_norm on and off; plus a CUDA-graph capture/replay.
+separate tensors and as vLLM views, hidden_norm on and off and folded into w_kv (hidden_rms);
+plus a CUDA-graph capture/replay.
 Each backend (triton, cuda) is forced in turn; a backend without the op skips with the reason.
 """
 from __future__ import annotations
@@ -65,13 +66,20 @@ CONTEXT_CASES = [
     (7, 1024, 1, 4, 64, 32, False, "hnd2d", False, False),
     (257, 1024, 5, 8, 128, 96, True, "separate", False, False),  # R not a power of two
     (4096, 1024, 8, 4, 64, 64, False, "separate", True, True),
+    # hidden_rms (the norm's weight folded into w_kv): the CUDA epilogue's own rstd at T <= 256,
+    # a norm pass of ones above
+    (1, 4096, 5, 8, 128, 128, True, "nhd2", False, "rms"),       # the plugin's decode shape
+    (16, 4096, 5, 8, 128, 64, False, "hnd2d", True, "rms"),      # GPT-J, partial, bias
+    (33, 2880, 8, 1, 64, 64, True, "separate", True, "rms"),     # Hkv 1: 32 tokens a block
+    (100, 1001, 1, 1, 256, 256, False, "separate", True, "rms"),  # D 256, x rows unaligned
+    (257, 2880, 8, 4, 64, 64, True, "nhd2", False, "rms"),       # above 256: norm pass
 ]
 
 
 def _case_id(c):
     t, h, n_layers, hkv, d, r, neox, layout, bias, hn = c
     return (f"T{t}_H{h}_L{n_layers}_Hkv{hkv}_D{d}_R{r}_{'neox' if neox else 'gptj'}_{layout}"
-            f"{'_bias' if bias else ''}{'_hn' if hn else ''}")
+            f"{'_bias' if bias else ''}{'_rms' if hn == 'rms' else '_hn' if hn else ''}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -526,9 +526,12 @@ BASE = 1e6
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=_id)
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
-@pytest.mark.parametrize("hidden_norm", [False, True], ids=["nohn", "hn"])
+@pytest.mark.parametrize("hidden_norm", [False, True, "rms"], ids=["nohn", "hn", "rms"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
 def test_context_kv_vs_explicit_chain(dtype, is_neox, hidden_norm, with_bias):
+    """hidden_norm "rms": the op gets the norm's weight folded into w_kv (w_kv * weight, rounded
+    to the dtype) and hidden_rms=True; the chains keep the unfolded weight and the norm (the
+    documented equivalence, to the tolerance rule)."""
     t, hid, n_layers, hkv, d, nb, bs, eps, p = 11, 256, 3, 2, 64, 5, 4, 1e-6, 2048
     layout = "nhd" if is_neox else "hnd2d"
     r = d if hidden_norm else d // 2  # partial rotary in half the cases
@@ -550,7 +553,11 @@ def test_context_kv_vs_explicit_chain(dtype, is_neox, hidden_norm, with_bias):
         _, ek, ev = _views_of(layout, eb, n_layers, d)
         context_chain(*args, ek, ev, eps, is_neox, hnw, n_layers, hkv, d, mode)
         expected[mode] = eb
-    OPS.context_kv_(*args, kcs, vcs, eps, is_neox, hnw)
+    if hidden_norm == "rms":
+        folded = (w_kv.float() * hnw.float()[None, :]).to(dtype)
+        OPS.context_kv_(x, folded, *args[2:], kcs, vcs, eps, is_neox, None, True)
+    else:
+        OPS.context_kv_(*args, kcs, vcs, eps, is_neox, hnw)
 
     written = torch.zeros(nb, bs, dtype=torch.bool)
     for s in slots.tolist():

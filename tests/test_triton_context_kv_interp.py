@@ -102,6 +102,9 @@ def run_context_case(device, dtype, t, h, n_layers, hkv, d, r, neox, layout, wit
     b = _rnd(gen, n, dtype=dtype, device=device, scale=0.5) if with_bias else None
     kw = 1 + 0.1 * _rnd(gen, n_layers, d, dtype=dtype, device=device)
     hw = (1 + 0.1 * _rnd(gen, h, dtype=dtype, device=device)) if hidden_norm else None
+    rms = hidden_norm == "rms"  # the norm's weight folded into w's columns, hidden_rms=True
+    if rms:
+        w = (w.float() * hw.float()[None, :]).to(dtype)
     pos = _positions(t, gen, device)
     cs = _table(r, device, strided_table)
     slots = _slots(t, nb * bs, gen).to(device)
@@ -113,7 +116,7 @@ def run_context_case(device, dtype, t, h, n_layers, hkv, d, r, neox, layout, wit
     def args(bk, f32=False):
         cast = (lambda z: None if z is None else z.float()) if f32 else (lambda z: z)
         return (cast(x), cast(w), cast(b), cast(kw), pos, cs, slots,
-                *cache_views(layout, bk, d), EPS, neox, cast(hw))
+                *cache_views(layout, bk, d), EPS, neox, None if rms else cast(hw), rms)
 
     with dflash_ops.use_backend("torch", ops=["context_kv_"]):
         OPS.context_kv_(*args(want))
@@ -156,7 +159,8 @@ def run_context_case(device, dtype, t, h, n_layers, hkv, d, r, neox, layout, wit
 
 
 CONTEXT_CASES = [
-    # (t, h, L, Hkv, D, R, neox, layout, bias, hidden_norm)
+    # (t, h, L, Hkv, D, R, neox, layout, bias, hidden_norm: False, True or "rms", the norm's
+    # weight folded into w and hidden_rms=True)
     (1, 32, 2, 1, 64, 64, True, "separate", False, False),
     (7, 48, 1, 2, 128, 128, False, "nhd2", True, False),
     (13, 40, 2, 1, 64, 32, True, "nhd2", False, True),
@@ -170,6 +174,8 @@ CONTEXT_CASES = [
     (5, 32, 2, 2, 16, 2, True, "nhd2", True, False),  # D 16, R 2
     (3, 32, 1, 1, 32, 6, True, "separate", False, False),  # gather with a tiny R
     (6, 36, 2, 1, 64, 64, True, "nhd2", False, True),  # rows not 16-byte aligned: no TMA
+    (7, 48, 1, 2, 128, 128, False, "nhd2", True, "rms"),
+    (13, 40, 2, 1, 64, 32, True, "separate", False, "rms"),
 ]
 
 

@@ -430,7 +430,7 @@ def test_model_writes_caches_and_caches_its_plan(wired):
     assert calls == {"stock": 0, "build": 1}
 
 
-@pytest.mark.parametrize("what", ["cache-moved", "weights-reloaded"])
+@pytest.mark.parametrize("what", ["cache-moved", "weights-reloaded", "weights-reloaded-in-place"])
 def test_model_rebuilds_its_plan_when_vllm_moves_things(wired, what):
     from tests.test_vllm_plugin import vllm_cache
     obj, m, wt, calls = wired
@@ -438,12 +438,15 @@ def test_model_rebuilds_its_plan_when_vllm_moves_things(wired, what):
     obj.precompute_and_store_context_kv(x, pos, slots)
     if what == "cache-moved":  # vLLM binds the real caches after profiling
         m._attn_layers[1].kv_cache = vllm_cache("blocks-2")
-    else:  # load_weights restacks the buffers
+    elif what == "weights-reloaded":  # load_weights restacks the buffers
         m._fused_kv_weight = m._fused_kv_weight.clone() * 2
+    else:  # new values copied into the same buffer: the plan's folded copy must follow
+        m._fused_kv_weight.mul_(2)
     obj.precompute_and_store_context_kv(x, pos, slots)
     assert calls["build"] == 2
     plan = obj._dflash_ops_cached[1]
     if what == "cache-moved":
         assert plan.k_caches[1].data_ptr() == m._attn_layers[1].kv_cache[:, 0].data_ptr()
-    else:
-        assert plan.w_kv.data_ptr() == m._fused_kv_weight.data_ptr()
+    else:  # the hidden norm folded into the (new) stacked weight
+        assert plan.hidden_rms and plan.hidden_norm_weight is None
+        assert torch.equal(plan.w_kv, m._fused_kv_weight * m._hidden_norm_weight[None, :])

@@ -24,7 +24,7 @@ import torch
 from dflash_ops import dispatch
 from dflash_ops.integrations import vllm as plugin
 from dflash_ops.integrations.vllm.cache import kv_views
-from dflash_ops.integrations.vllm.context import ContextPlan, store
+from dflash_ops.integrations.vllm.context import ContextPlan, fold_hidden_norm, store
 from dflash_ops.ops.norm import rms_norm_ref
 from dflash_ops.ops.rope import make_cos_sin_cache, rope_values
 
@@ -152,7 +152,10 @@ def _slots(kind, t, n_layers, g):
 @pytest.mark.parametrize("slots_kind", ["tensor", "list-shared", "list-distinct",
                                         "list-with-none", "none"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_store_equals_vllm_precompute(layout, slots_kind, is_neox, rot):
+@pytest.mark.parametrize("folded", [False, True], ids=["hidden_norm", "folded"])
+def test_store_equals_vllm_precompute(layout, slots_kind, is_neox, rot, folded):
+    """folded: the plan as build_plan makes it (the hidden norm's weight folded into w_kv,
+    hidden_rms), against vLLM's own order (norm, then the GEMM)."""
     n_layers, h, t, eps = 3, 48, 11, 1e-6
     g = torch.Generator().manual_seed(1)
     wt = _weights(n_layers, h, HKV, D, seed=2, rot=rot)
@@ -169,7 +172,8 @@ def test_store_equals_vllm_precompute(layout, slots_kind, is_neox, rot):
     ctx.context_kv_ = lambda *a, **k: (n_calls.append(len(a[7])), real(*a, **k))
     try:
         with dispatch.use_backend("torch", ops=("context_kv_",)):
-            store(_plan(wt, ours, HKV, D, eps, is_neox), x, positions, slots)
+            plan = _plan(wt, ours, HKV, D, eps, is_neox)
+            store(fold_hidden_norm(plan) if folded else plan, x, positions, slots)
     finally:
         ctx.context_kv_ = real
     # one fused call of every layer for one tensor or a list sharing one buffer, a call per

@@ -51,7 +51,7 @@ dispatch.define_op(
 
 # context_kv_ -------------------------------------------------------------------------------
 def _check_context(x, w_kv, bias, k_weight, positions, cos_sin_cache, slot_mapping, k_caches,
-                   v_caches, eps, is_neox, hidden_norm_weight=None):
+                   v_caches, eps, is_neox, hidden_norm_weight=None, hidden_rms=False):
     op = "context_kv_"
     _check_proj(x, w_kv, bias, op=op)
     if not isinstance(k_caches, (list, tuple)) or len(k_caches) == 0:
@@ -79,20 +79,31 @@ def _check_context(x, w_kv, bias, k_weight, positions, cos_sin_cache, slot_mappi
         C.tensor(op, "hidden_norm_weight", hidden_norm_weight, shape=(x.shape[1],),
                  device=x.device)
         C.same_dtype(op, "hidden_norm_weight", hidden_norm_weight, "x", x)
+        if hidden_rms:
+            C.fail(op, "hidden_rms must be False when hidden_norm_weight is given (hidden_rms "
+                       "is the norm with its weight folded into w_kv), got True")
     C.eps(op, eps)
 
 
 def context_kv_ref(x, w_kv, bias, k_weight, positions, cos_sin_cache, slot_mapping, k_caches,
-                   v_caches, eps, is_neox, hidden_norm_weight=None) -> None:
+                   v_caches, eps, is_neox, hidden_norm_weight=None, hidden_rms=False) -> None:
     n_layers, (_, _, hkv, d) = len(k_caches), k_caches[0].shape
     if hidden_norm_weight is not None:
         x = rms_norm_ref(x, hidden_norm_weight, eps)
-    kv = kv_proj_ref(x, w_kv, bias).view(x.shape[0], n_layers, 2, hkv, d)
+    if hidden_rms:  # (x @ w_kv^T) / rms(x) + bias in fp32, one rounding
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) if x.shape[1] else \
+            torch.full((x.shape[0], 1), eps ** -0.5, device=x.device)
+        kv = F.linear(xf, w_kv.float()) * rstd
+        kv = (kv if bias is None else kv + bias.float()).to(x.dtype)
+    else:
+        kv = kv_proj_ref(x, w_kv, bias)
+    kv = kv.view(x.shape[0], n_layers, 2, hkv, d)
     k = rope_values(rms_norm_ref(kv[:, :, 0], k_weight, eps), positions, cos_sin_cache, is_neox)
     store_kv_ref(k, kv[:, :, 1], k_caches, v_caches, slot_mapping)
 
 
-def _debug_context(x, w, b, kw, positions, cache, slots, kc, vc, eps, neox, hn=None):
+def _debug_context(x, w, b, kw, positions, cache, slots, kc, vc, eps, neox, hn=None, rms=False):
     _debug_positions("context_kv_", positions, cache)
     _debug_slots("context_kv_", slots, kc[0])
 
@@ -103,7 +114,7 @@ def _debug_context(x, w, b, kw, positions, cache, slots, kc, vc, eps, neox, hn=N
 dispatch.define_op(
     "context_kv_(Tensor x, Tensor w_kv, Tensor? bias, Tensor k_weight, Tensor positions, "
     "Tensor cos_sin_cache, Tensor slot_mapping, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
-    "float eps, bool is_neox, Tensor? hidden_norm_weight=None) -> ()",
+    "float eps, bool is_neox, Tensor? hidden_norm_weight=None, bool hidden_rms=False) -> ()",
     validate=_check_context, reference=context_kv_ref, fake=lambda *a, **k: None,
     default="cuda", debug_check=_debug_context)
 
@@ -114,11 +125,16 @@ def kv_proj(x, w_kv, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
 
 
 def context_kv_(x, w_kv, bias, k_weight, positions, cos_sin_cache, slot_mapping, k_caches,
-                v_caches, eps=1e-6, is_neox=True, hidden_norm_weight=None) -> None:
-    """(hidden_norm) -> GEMM -> per-layer K-norm -> RoPE -> paged write of every layer's K/V."""
+                v_caches, eps=1e-6, is_neox=True, hidden_norm_weight=None,
+                hidden_rms=False) -> None:
+    """(hidden_norm) -> GEMM -> per-layer K-norm -> RoPE -> paged write of every layer's K/V.
+    ``hidden_rms``: the hidden norm with its weight folded into w_kv's columns by the caller
+    (``w_kv * hidden_norm_weight``): each GEMM row is divided by rms(x_t) before the bias, which
+    equals ``hidden_norm_weight``'s result up to rounding; the CUDA kernel then needs no norm
+    pass at up to 256 tokens (one launch after the GEMM)."""
     torch.ops.dflash.context_kv_.default(x, w_kv, bias, k_weight, positions, cos_sin_cache,
                                          slot_mapping, list(k_caches), list(v_caches), eps,
-                                         is_neox, hidden_norm_weight)
+                                         is_neox, hidden_norm_weight, hidden_rms)
 
 
 def samples(device, dtype) -> dict:
@@ -128,7 +144,8 @@ def samples(device, dtype) -> dict:
         return dict(x=m.rnd(5, 32), w_kv=m.rnd(64, 32),
                     bias=m.rnd(64) if with_bias else None)
 
-    def context(with_bias, with_hidden_norm, seed, is_neox=True, rotary_dim=64):
+    def context(with_bias, with_hidden_norm, seed, is_neox=True, rotary_dim=64,
+                hidden_rms=False):
         m = Maker(seed, device, dtype)
         n_layers, hkv, d, h = 2, 2, 64, 32
         n = n_layers * 2 * hkv * d
@@ -137,13 +154,17 @@ def samples(device, dtype) -> dict:
                     bias=m.rnd(n) if with_bias else None, k_weight=m.rnd(n_layers, d),
                     positions=m.positions(5), cos_sin_cache=m.cos_sin(rotary_dim),
                     slot_mapping=m.ints([3, -1, 0, 9, 15]), k_caches=kc, v_caches=vc, eps=EPS,
-                    is_neox=is_neox, hidden_norm_weight=m.rnd(h) if with_hidden_norm else None)
+                    is_neox=is_neox, hidden_norm_weight=m.rnd(h) if with_hidden_norm else None,
+                    hidden_rms=hidden_rms)
 
     return {
         "kv_proj": {"bias": proj(True, 15), "nobias": proj(False, 16)},
         "context_kv_": {"bias-hidden_norm": context(True, True, 17),
                         "nobias-no-hidden_norm": context(False, False, 18),
-                        "gptj-partial": context(False, True, 19, is_neox=False, rotary_dim=32)},
+                        "gptj-partial": context(False, True, 19, is_neox=False, rotary_dim=32),
+                        "bias-hidden_rms": context(True, False, 20, hidden_rms=True),
+                        "gptj-hidden_rms": context(False, False, 21, is_neox=False,
+                                                   hidden_rms=True)},
     }
 
 
@@ -204,6 +225,7 @@ def bad_samples() -> dict:
              "hidden_norm_weight"),
             ("hidden_norm_weight-meta", to("hidden_norm_weight", device=META),
              "hidden_norm_weight"),
+            ("hidden_rms-with-hidden_norm_weight", set_(hidden_rms=True), "hidden_rms"),
             ("eps-negative", set_(eps=-1.0), "eps"),
         ],
     }

@@ -375,7 +375,7 @@ def kv_proj(x, w_kv, bias=None, *, cfg: Optional[ProjCfg] = None):
 
 
 def context_kv_(x, w_kv, bias, k_weight, positions, cos_sin_cache, slot_mapping, k_caches,
-                v_caches, eps, is_neox, hidden_norm_weight=None, *,
+                v_caches, eps, is_neox, hidden_norm_weight=None, hidden_rms=False, *,
                 cfg: Optional[CtxCfg] = None) -> None:
     t, h = x.shape
     n_layers, (num_blocks, block_size, hkv, d) = len(k_caches), k_caches[0].shape
@@ -387,6 +387,8 @@ def context_kv_(x, w_kv, bias, k_weight, positions, cos_sin_cache, slot_mapping,
     except (RuntimeError, ValueError) as e:  # the shared helper names store_kv_
         raise type(e)(str(e).replace("store_kv_", "context_kv_")) from None
     cfg = cfg or context_config(t, d, x.element_size())
+    if hidden_rms and hidden_norm_weight is None:  # the weight is in w_kv: a norm of ones
+        hidden_norm_weight = torch.ones(h, dtype=x.dtype, device=x.device)
     if hidden_norm_weight is not None:  # the norm pass reads rows with unit column stride
         x = _rms_norm(x if x.stride(1) == 1 else x.contiguous(), hidden_norm_weight, eps)
     if cfg.split:  # the GEMM, then the epilogue alone over its output

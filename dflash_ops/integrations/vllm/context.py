@@ -1,14 +1,15 @@
 """The plugin's context K/V precompute on ``torch.ops.dflash.context_kv_``, without vLLM.
 
 ``ContextPlan`` holds what one drafter's precompute needs (stacked weights, the fp32 RoPE table,
-every layer's K/V cache views); ``store`` writes one step's context rows. vLLM passes the slots
+every layer's K/V cache views; ``fold_hidden_norm`` folds the hidden norm's weight into the
+stacked weight); ``store`` writes one step's context rows. vLLM passes the slots
 as one tensor (every layer), a per-layer list (one tensor per layer or None: that layer writes
 nothing) or None (compute only); the list's entries usually share one buffer (one KV-cache
 group), which is one fused call; otherwise each layer is its own call on its rows of w_kv.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Optional, Sequence, Union
 
 import torch
@@ -29,10 +30,22 @@ class ContextPlan:
     v_caches: List[torch.Tensor]
     eps: float
     is_neox: bool
+    hidden_rms: bool = False  # the hidden norm's weight is folded into w_kv (fold_hidden_norm)
 
     @property
     def rows_per_layer(self) -> int:
         return self.w_kv.shape[0] // len(self.k_caches)
+
+
+def fold_hidden_norm(plan: ContextPlan) -> ContextPlan:
+    """The plan with its hidden norm's weight folded into w_kv's columns (a new tensor of
+    w_kv's size, rounded once) and ``hidden_rms`` on: ``context_kv_`` then divides the GEMM's
+    rows by rms(x) itself, with no norm pass (one launch fewer a call on the GPU, up to 256
+    rows). A plan without a hidden norm is returned as it is."""
+    if plan.hidden_norm_weight is None:
+        return plan
+    return replace(plan, w_kv=plan.w_kv * plan.hidden_norm_weight[None, :],
+                   hidden_norm_weight=None, hidden_rms=True)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -48,7 +61,7 @@ def store(plan: ContextPlan, x: torch.Tensor, positions: torch.Tensor, slots: Sl
     if isinstance(slots, torch.Tensor):
         context_kv_(x, plan.w_kv, plan.bias, plan.k_weight, positions, plan.cos_sin, slots,
                     plan.k_caches, plan.v_caches, plan.eps, plan.is_neox,
-                    plan.hidden_norm_weight)
+                    plan.hidden_norm_weight, plan.hidden_rms)
         return
     slots = list(slots)
     if len(slots) != len(plan.k_caches):
@@ -65,4 +78,5 @@ def store(plan: ContextPlan, x: torch.Tensor, positions: torch.Tensor, slots: Sl
         rows = slice(i * n, (i + 1) * n)
         context_kv_(x, plan.w_kv[rows], None if plan.bias is None else plan.bias[rows],
                     plan.k_weight[i:i + 1], positions, plan.cos_sin, s, [plan.k_caches[i]],
-                    [plan.v_caches[i]], plan.eps, plan.is_neox, plan.hidden_norm_weight)
+                    [plan.v_caches[i]], plan.eps, plan.is_neox, plan.hidden_norm_weight,
+                    plan.hidden_rms)

@@ -23,7 +23,7 @@ from dflash_ops.ops.rope import HEAD_DIMS
 
 from . import log
 from .cache import kv_views
-from .context import ContextPlan, store
+from .context import ContextPlan, fold_hidden_norm, store
 
 FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 _logged = set()
@@ -45,8 +45,12 @@ def _plan_key(m, x: torch.Tensor) -> tuple:
     buffers vLLM rebuilds whenever it loads weights (a reload must not leave us on old ones)."""
     bufs = ("_fused_kv_weight", "_fused_kv_bias", "_k_norm_weights", "_hidden_norm_weight",
             "_rope_cos_sin_cache")
+    # the plan holds a copy of the stacked weight with the hidden norm folded in: an in-place
+    # reload of either (same pointers) must rebuild it too
+    versions = tuple(getattr(getattr(m, b, None), "_version", None)
+                     for b in ("_fused_kv_weight", "_hidden_norm_weight"))
     return (x.dtype, x.device, tuple(_ptr(a.kv_cache) for a in m._attn_layers),
-            tuple(_ptr(getattr(m, b, None)) for b in bufs))
+            tuple(_ptr(getattr(m, b, None)) for b in bufs), versions)
 
 
 def _device_ok(x: torch.Tensor) -> bool:
@@ -91,10 +95,10 @@ def build_plan(m, x: torch.Tensor) -> Optional[ContextPlan]:
     if cos_sin.dim() != 2 or cos_sin.shape[1] % 2 or cos_sin.shape[1] > d:
         return _once("RoPE table %s for head size %d: vLLM's own context precompute runs",
                      list(cos_sin.shape), d)
-    return ContextPlan(w_kv=w, bias=m._fused_kv_bias, k_weight=m._k_norm_weights,
-                       hidden_norm_weight=m._hidden_norm_weight, cos_sin=cos_sin.contiguous(),
-                       k_caches=ks, v_caches=vs, eps=float(m._rms_norm_eps),
-                       is_neox=bool(m._rope_is_neox))
+    return fold_hidden_norm(ContextPlan(
+        w_kv=w, bias=m._fused_kv_bias, k_weight=m._k_norm_weights,
+        hidden_norm_weight=m._hidden_norm_weight, cos_sin=cos_sin.contiguous(), k_caches=ks,
+        v_caches=vs, eps=float(m._rms_norm_eps), is_neox=bool(m._rope_is_neox)))
 
 
 def probe(plan: ContextPlan, x: torch.Tensor, positions: torch.Tensor) -> Optional[str]:
