@@ -81,6 +81,7 @@ struct ContextParams {
   float inv_h;             // 1 / H (0 when H = 0)
   bool x_vec;              // x's rows in 16-byte vectors
   const void* bias;        // bias[N], unit stride, or null (added after the scaling)
+  bool xrms;               // the XRMS kernel (x may be null: H = 0)
 };
 
 constexpr int kBlock = 256;
@@ -313,7 +314,7 @@ void launch_path(const ContextParams<MAXL>& p, bool vec, bool neox, int tpr_log2
 template <class E, int MAXL>
 void launch_dtype(const ContextParams<MAXL>& p, bool vec, bool neox, int tpr_log2, dim3 grid,
                   cudaStream_t stream) {
-  if (p.x != nullptr) {
+  if (p.xrms) {
     launch_path<E, true>(p, vec, neox, tpr_log2, grid, stream);
   } else {
     launch_path<E, false>(p, vec, neox, tpr_log2, grid, stream);
@@ -356,6 +357,7 @@ void run_epilogue(const at::Tensor& kv, const at::Tensor& k_weight, const at::Te
   p.div_hkv = make_fast_div(hkv);
   if (x_rms.defined()) {
     const int64_t xv = 16 / x_rms.element_size();
+    p.xrms = true;
     p.x = x_rms.data_ptr();
     p.x_st = x_rms.stride(0);
     p.h = static_cast<int>(x_rms.size(1));
@@ -442,8 +444,11 @@ void context_kv_(const at::Tensor& x, const at::Tensor& w_kv,
   const c10::cuda::CUDAGuard guard(x.device());
   // hidden_rms at up to kRmsFusedTokens tokens: the GEMM without the bias, then the epilogue
   // scales each row by 1 / rms(x_t) and adds the bias (one launch after the GEMM); above, a norm
-  // pass with unit weights and the plain path
-  const bool fused_rms = hidden_rms && t <= kRmsFusedTokens;
+  // pass with unit weights and the plain path (K / V then round at other points: equal to the
+  // reference within its tolerance, not bit for bit across the two paths)
+  // (not fp16: the unnormalised GEMM output rounded to fp16 could overflow before the division;
+  // bf16 and fp32 have the range)
+  const bool fused_rms = hidden_rms && t <= kRmsFusedTokens && x.scalar_type() != at::kHalf;
   at::Tensor h = x, x_rms, bias_rms;
   if (hidden_norm_weight.has_value() || (hidden_rms && !fused_rms)) {
     // rms_norm takes rows and weights with unit stride in the last dim; the op takes any.

@@ -97,6 +97,32 @@ def test_context_kv(case, dtype, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_context_kv_hidden_rms_zero_width_x(backend):
+    """hidden_rms with H = 0 (x [T, 0]): kv is the bias alone (the GEMM's rows are zero and
+    rstd = 1 / sqrt(eps)), on the CUDA fused path too (an empty x has no data pointer)."""
+    _need("context_kv_", backend)
+    g = torch.Generator().manual_seed(3)
+    t, n_layers, hkv, d, nb, bs = 5, 2, 2, 64, 2, 4
+    n = n_layers * 2 * hkv * d
+    args = dict(x=torch.empty(t, 0), w_kv=torch.empty(n, 0), bias=torch.randn(n, generator=g),
+                k_weight=1 + 0.1 * torch.randn(n_layers, d, generator=g),
+                positions=torch.arange(t), cos_sin_cache=dflash_ops.make_cos_sin_cache(16, d),
+                slot_mapping=torch.tensor([0, 3, -1, 6, 7]))
+    got, want = {}, {}
+    for dev, out, bk in ((DEV, got, backend), ("cpu", want, "torch")):
+        a = {k: (v.to(dev, BF16) if v.is_floating_point() and k != "cos_sin_cache" else
+                 v.to(dev)) for k, v in args.items()}
+        kc = [torch.zeros(nb, bs, hkv, d, dtype=BF16, device=dev) for _ in range(n_layers)]
+        vc = [torch.zeros_like(c) for c in kc]
+        with dflash_ops.use_backend(bk, ops=["context_kv_"]):
+            dflash_ops.context_kv_(*a.values(), kc, vc, 1e-6, True, None, True)
+        out["k"], out["v"] = torch.stack(kc).cpu(), torch.stack(vc).cpu()
+    assert got["v"].abs().sum() > 0  # the bias reached V
+    torch.testing.assert_close(got["v"], want["v"], atol=0, rtol=0)
+    torch.testing.assert_close(got["k"].float(), want["k"].float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("t", [33, 300])
 def test_context_kv_fp32(backend, t):
     _need("context_kv_", backend)
