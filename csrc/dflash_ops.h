@@ -87,9 +87,9 @@ at::Tensor kv_proj(const at::Tensor& x, const at::Tensor& w_kv,
 //   weight folded into w_kv by the caller, kv = (x @ w_kv^T) / rms(x_t) + bias; bf16 / fp32 at
 //   T <= 256: the epilogue does the scaling and the bias, one launch after the GEMM); then one
 //   launch writes, for every token and layer, K = rope(rms_norm(kv[t, l, 0], k_weight[l], eps))
-//   (knorm_rope_'s numerics) and V = kv[t, l, 1] to block slot / block_size, row slot % block_size of
-//   k_caches[l] / v_caches[l]; a slot < 0 or >= num_blocks * block_size is skipped, a position
-//   outside [0, P) leaves K normalised but unrotated.
+//   (knorm_rope_'s numerics) and V = kv[t, l, 1] to block slot / block_size, row
+//   slot % block_size of k_caches[l] / v_caches[l]; a slot < 0 or >= num_blocks * block_size
+//   is skipped, a position outside [0, P) leaves K normalised but unrotated.
 //   x: [T, H] bf16/fp16/fp32; w_kv: [L*2*Hkv*D, H]; k_weight: [L, D]; positions, slot_mapping:
 //   [T] int64; cos_sin_cache: [P, R] fp32, R even, R <= D; k_caches, v_caches: L tensors
 //   [num_blocks, block_size, Hkv, D] each, any strides with unit stride in D, x's dtype;
