@@ -158,6 +158,25 @@ def test_freed_slot_is_reusable():
     torch.testing.assert_close(first, again)
 
 
+def test_logit_rows_selects_rows():
+    """logit_rows computes only the chosen rows' logits (a prefill's last rows): the same values
+    as those rows of the full logits, taps unchanged, [N, V]."""
+    cfg = TargetConfig.from_hf(_hf_dict())
+    tgt = Target.random(cfg, seed=3, dtype=torch.float32, **CACHE)
+    ids = torch.randint(0, VOCAB, (9,))
+    rows = torch.tensor([3, 8])  # the last row of requests of 4 and 5 tokens
+    for r in (0, 1):
+        tgt.add_request(r)
+    full, full_taps = tgt.forward(ids, [0, 1], [0, 0], [4, 5], [0])
+    for r in (0, 1):
+        tgt.free_request(r)
+        tgt.add_request(r)
+    got, taps = tgt.forward(ids, [0, 1], [0, 0], [4, 5], [0], logit_rows=rows)
+    assert got.shape == (2, full.shape[1])
+    torch.testing.assert_close(got, full[rows], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(taps, full_taps)
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_from_pretrained_of_hf_save_pretrained(tmp_path, tie):
     d = _hf_dict("qwen3", tie)

@@ -251,7 +251,8 @@ class Target:
         return torch.as_tensor(v, dtype=dtype, device=self.device).reshape(-1)
 
     def forward(self, ids: torch.Tensor, requests, starts, q_lens,
-                tap_layers: Optional[Sequence[int]] = None, fp32_logits: bool = True):
+                tap_layers: Optional[Sequence[int]] = None, fp32_logits: bool = True,
+                logit_rows: Optional[torch.Tensor] = None):
         """Causal forward of R requests' new tokens.
 
         ids [T] int64: the new tokens, grouped by request in the order of ``requests``;
@@ -262,7 +263,9 @@ class Target:
         Returns ``(logits [T, V] fp32, taps [T, len(tap_layers) * H] or None)``; taps are in the
         model dtype, concatenated in the order of ``tap_layers``. ``fp32_logits=False`` leaves
         the logits in the model dtype (greedy steps: their argmax is the fp32 argmax, since the
-        cast is exact, without writing and reading a [T, V] fp32 copy).
+        cast is exact, without writing and reading a [T, V] fp32 copy). ``logit_rows`` [N] int64:
+        the token rows whose logits to compute (a prefill needs each request's last only: at
+        32 x 8k tokens all rows' fp32 logits would take 148 GB); the logits are then [N, V].
         """
         cfg = self.cfg
         ids = ids.to(self.device).reshape(-1)
@@ -306,6 +309,8 @@ class Target:
             h = OPS.rms_norm(x, self.norm, cfg.rms_norm_eps)
         else:
             OPS.fused_add_rms_norm_(h, x, self.norm, cfg.rms_norm_eps)
+        if logit_rows is not None:
+            h = h.index_select(0, self._as_index(logit_rows))
         logits = linear(h, self.lm_head, None, self.exact)
         if fp32_logits:
             logits = logits.float()

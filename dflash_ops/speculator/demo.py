@@ -164,8 +164,8 @@ def _decode_graphed(target, prompts, max_new_tokens):
         t0 = time.perf_counter()
         flat = torch.cat([torch.tensor(p, device=dev) for p in prompts])
         logits, _ = target.forward(flat, requests, torch.zeros_like(lens), lens, None,
-                                   fp32_logits=False)
-        ids.copy_(logits[torch.cumsum(lens, 0) - 1].argmax(-1))
+                                   fp32_logits=False, logit_rows=torch.cumsum(lens, 0) - 1)
+        ids.copy_(logits.argmax(-1))
         out[:, 0] = ids
         for _ in range(max_new_tokens - 1):
             graph.replay()

@@ -44,9 +44,9 @@ def _prefill(target, prompts, tap_layers):
     ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)
     reqs = torch.arange(len(prompts), device=dev)
     q_lens = torch.tensor([len(p) for p in prompts], device=dev)
-    logits, taps = target.forward(ids, reqs, torch.zeros_like(q_lens), q_lens, tap_layers)
     last = torch.cumsum(q_lens, 0) - 1
-    return logits[last], taps
+    return target.forward(ids, reqs, torch.zeros_like(q_lens), q_lens, tap_layers,
+                          logit_rows=last)
 
 
 def _check_requests(fn: str, caches, prompts, max_new_tokens: int, vocab: int,
