@@ -130,11 +130,6 @@ __device__ __forceinline__ float warp_max(float x) {
   for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
   return x;
 }
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
 
 // Physical 16-byte chunk of logical chunk c in row `row` of a tile with DC chunks a row: every
 // 8 consecutive rows (an ldmatrix 8x8 read: one chunk of each) hit 8 distinct bank groups.

@@ -78,6 +78,13 @@ __device__ __forceinline__ P zero_pack() {
   return v;
 }
 
+// The sum over the warp (a butterfly: every lane gets it, in the same order on every lane).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o >= 1; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
 // n / d for n < 2^31, 1 <= d < 2^31 by a multiply and a shift (Granlund-Montgomery round-up
 // method: s = ceil(log2 d), m = floor(2^32 (2^s - d) / d) + 1, n / d = (mulhi(m, n) + n) >> s;
 // mulhi(m, n) < n, so the sum fits in 32 bits for n < 2^31).

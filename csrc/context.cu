@@ -114,8 +114,7 @@ __device__ __forceinline__ void token_rstd(const Params& p, uint32_t t0, int nto
         ss = fmaf(f, f, ss);
       }
     }
-#pragma unroll
-    for (int m = 16; m >= 1; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
+    ss = warp_sum(ss);
     if (wl == 0) rstd_s[j] = rsqrtf(ss * p.inv_h + p.rope.eps);
   }
 }

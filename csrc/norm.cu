@@ -84,12 +84,6 @@ __host__ __device__ __forceinline__ void row_offsets32(const NormParams& p, uint
   woff = int64_t(g) * p.w_stride;
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o >= 1; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
 // Sum over the block (blockDim.x a multiple of 32); every thread gets the result. smem: 32 floats;
 // a caller that reuses smem must __syncthreads() before the next call.
 __device__ __forceinline__ float block_sum(float v, float* smem) {
