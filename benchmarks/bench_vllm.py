@@ -10,7 +10,8 @@ Variants (one process each, consecutive, same machine):
 
 Per (batch B, context S): B fresh random prompts of S tokens (prefix caching off), greedy,
 ignore_eos; the decode time is the wall time of generating 1 + N tokens minus that of 1 token
-(the prefill); an iteration is one draft-and-verify step (vLLM's spec_decode_num_drafts / B;
+(the prefill: at 32 x 32k ~27 s, whose run-to-run spread is a large share of 32 iterations, so
+use a larger --new there, e.g. 256); an iteration is one draft-and-verify step (vLLM's spec_decode_num_drafts / B;
 random weights accept ~nothing, so ~one token an iteration). The precompute's GPU time per call
 comes from CUDA events around ``precompute_and_store_context_kv`` (it runs eagerly in 0.25).
 
@@ -292,7 +293,11 @@ def run(args) -> int:
     gen(1, 64, 8)  # warm-up
     with open(args.out, "a") as out:
         for s, b in _shapes(contexts, batches, t0, args.budget_s):
-            gen(b, s, 2)  # warm this shape
+            # warm this shape: one request of the full context (the prefill's chunk shapes)
+            # and the batch at a short context (the decode's batch shape); a whole batch of
+            # long prompts costs as much as a timed run (32 x 32k: ~27 s of prefill)
+            gen(1, s, 2)
+            gen(b, min(s, 1024), 2)
             t_pre, _, _ = gen(b, s, 1)
             events.clear()
             t_all, drafts, outs = gen(b, s, 1 + args.new)
