@@ -2,7 +2,7 @@
 # The one script run on the H200 (device tool): install (builds dflash_ops._C), info, check, the
 # GPU tests, the benchmarks. Logs and result tables go under $OUT (at most 8 files come back:
 # more are packed into $OUT/all.tgz at the end).
-# Usage: bash benchmarks/gpu_check.sh [build|tests|sanitize|ncu|vllm|vllm-counter|vllm-bench|dflash2|policy|bench|ctx|attn|linear|drafter|e2e|models|compare|profile|cmake|all]
+# Usage: bash benchmarks/gpu_check.sh [build|tests|sanitize|ncu|ncu-cases|vllm|vllm-counter|vllm-bench|dflash2|policy|bench|ctx|attn|linear|drafter|e2e|models|compare|profile|cmake|all]
 #   all:     tests + bench + ctx; build: install, info and check only
 #   tests:   pytest -m gpu over SHARDS processes; TEST_FILES="tests/a.py tests/b.py" for a subset
 #   sanitize: the hostile-value GPU tests (tests/test_hostile_inputs.py,
@@ -33,6 +33,9 @@
 #   attn:    the attention suite (BENCH_ARGS: --quick, --cases, --tables, --no-flex)
 #   models:  bench_drafter (DRAFTER_ARGS, default --no-ref), bench_e2e (E2E_ARGS, default --quick)
 #            and profile_step (PROFILE_ARGS) in one call
+#   ncu-cases: Nsight Compute of one launch of each of benchmarks/ncu_cases.py's NCU_CASES
+#            (the DFlash 2 projection GEMM, o_proj, conv, top-k, ...): $OUT/ncu_<case>.ncu-rep,
+#            its details page as text, and each page's headline metrics and rule findings
 #   ncu:     Nsight Compute (--clock-control none, --set full) of one launch of NCU_KERNEL
 #            (default attn_mma_kernel) in NCU_CMD (default bench_attention 1 x 131072 paged):
 #            $OUT/ncu.ncu-rep and its details page as text
@@ -226,6 +229,24 @@ if [ "$what" = ncu ]; then  # Nsight Compute of one kernel launch inside a bench
   else
     tail -20 "$OUT/ncu_run.log"
   fi
+fi
+if [ "$what" = ncu-cases ]; then  # Nsight Compute of benchmarks/ncu_cases.py's cases, one each
+  for c in ${NCU_CASES:-proj_linear proj_triton o_cublas o_triton convnorm_t8 conv_t4096 topk_b1}; do
+    timeout "${NCU_TIMEOUT:-120}" ncu --clock-control none --nvtx --nvtx-include "ncu/" \
+      --set "${NCU_SET:-full}" -o "$OUT/ncu_$c" python3 benchmarks/ncu_cases.py "$c" \
+      > "$OUT/ncu_${c}_run.log" 2>&1
+    r=$?; [ $r -ne 0 ] && rc=$r
+    echo "== ncu $c (rc $r): $(( $(date +%s) - t0 )) s"
+    if [ -f "$OUT/ncu_$c.ncu-rep" ]; then
+      ncu --import "$OUT/ncu_$c.ncu-rep" --page details --print-units base \
+        > "$OUT/ncu_${c}_details.txt" 2>&1
+      grep -E "^  [a-zA-Z_]|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Thr|Achieved Occupancy|Registers Per|Grid Size|Block Size|Warp Cycles Per Issued|Eligible Warps|Waves Per SM" \
+        "$OUT/ncu_${c}_details.txt" | head -30
+      grep -E "^ +(OPT|WRN) " -A2 "$OUT/ncu_${c}_details.txt" | cut -c1-240 | head -24
+    else
+      tail -8 "$OUT/ncu_${c}_run.log"
+    fi
+  done
 fi
 if [ "$what" = compare ]; then
   old_dir=${OLD_DIR:-.old}
