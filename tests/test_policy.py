@@ -387,3 +387,50 @@ def test_bench_counter_target_follows_its_successor_with_a_margin(dtype):
     assert top2[0] > 3 * top2[1].abs(), top2  # ~16 sqrt(H) vs the largest of N(0, 16^2)
     with pytest.raises(ValueError, match="untied LM head"):
         counter_target({"model.embed_tokens.weight": state["model.embed_tokens.weight"]}, 900)
+
+
+def test_bench_policy_times_the_three_loops_interleaved(monkeypatch):
+    """bench.policy's run_case on CPU with the loop runs faked: per p one warm-up of always
+    (first p) and of policy, then REPEATS rounds of never / always / policy in a rotated order
+    (drift falls on all three alike); rates are each strategy's median, the notes list every
+    run's iteration counts."""
+    from types import SimpleNamespace
+
+    import dflash_ops.speculator.demo as demo
+    from dflash_ops.bench import harness
+    from dflash_ops.bench import policy as bp
+
+    calls = []
+    speed = {"never": 100.0, "always": 200.0, "policy": 190.0}
+
+    def fake_loop(target, drafter, prompts, n_new, **kw):
+        name = ("never" if kw.get("policy_blocks") == (1,) else
+                "always" if kw.get("policy") is False else "policy")
+        calls.append(name)
+        k = sum(c == name for c in calls)
+        out = [[1, 2, 3] for _ in prompts]
+        blocks = {1: 30} if name == "never" else {16: 7 + k % 2}
+        st = SimpleNamespace(blocks=blocks, mean_acceptance=1.5)
+        return out, speed[name] + k, st, 0.01
+
+    monkeypatch.setattr(bp, "_loop_rate", fake_loop)
+    monkeypatch.setattr(demo, "_decode_graphed", lambda t, p, n: ([[1, 2, 3] for _ in p], 0.5))
+    target = SimpleNamespace(cfg=SimpleNamespace(vocab_size=50))
+    drafter = SimpleNamespace(cfg=SimpleNamespace(mask_token_id=49, vocab_size=50),
+                              cache=SimpleNamespace(block_table=torch.zeros(3, 4)),
+                              device=torch.device("cpu"))
+    res = harness.Results("policy-test", floors={"copy_GBps": 1.0, "gemm_TFLOPs": 1.0})
+    bp.run_case(res, target, drafter, 2, 8, ps=(0.0, 0.5), n_new=3, repeats=3)
+    first = calls[:1 + 3]  # never's warm-up and its three runs (the reference tokens)
+    assert first == ["never"] * 4
+    p0 = calls[4:4 + 2 + 9]
+    assert p0[:2] == ["always", "policy"]  # warm-ups at the first p
+    assert p0[2:] == ["never", "always", "policy", "always", "policy", "never",
+                      "policy", "never", "always"]
+    p1 = calls[15:]
+    assert p1[0] == "policy" and len(p1) == 10  # the policy's warm-up only
+    rows = res.tables()[bp.TABLE]
+    pol = [r for r in rows if r["strategy"] == "policy" and r["p"] == 0.5][0]
+    assert pol["note"].count("block 16") == 3 and "runs:" in pol["note"]
+    summary = res.tables()[bp.SUMMARY]
+    assert len(summary) == 2 and all(not r["ok (>= 0.97)"] for r in summary)  # 190 vs 200

@@ -18,7 +18,9 @@ strategy): acceptance is geometric in p. The target's tokens the oracle follows 
 successor of the last with a wide margin (``counter_target``), so every strategy commits the
 same tokens (with random weights alone a 16-row verify and a 1-row decode round differently
 in bf16 and part at near ties, and the oracle turns wrong after a part; parts are counted in
-the notes). Each rate is the median of REPEATS timed runs. Tokens a second count the new
+the notes). Each rate is the median of REPEATS timed runs; at each p the three loop strategies
+run interleaved (never, always, policy; each repeat in a rotated order), so drift between
+runs falls on all three alike, and the notes give every run's iteration counts. Tokens a second count the new
 tokens over the time after the prefill (the loop's ``Stats.seconds['prefill']``,
 synchronised; for plain decode the same prefill is measured once and subtracted), capture
 excluded. A warm-up run of each strategy first in each case (compiles, autotuning, the
@@ -154,7 +156,6 @@ def run_case(res: Results, target, drafter, batch: int, context: int, ps=P_GRID,
     runs = [_loop_rate(target, oracle, prompts, n_new, policy_blocks=(1,))
             for _ in range(repeats)]
     want, _, _, prefill = runs[0]
-    never = statistics.median(r[1] for r in runs)
     _decode_graphed(target, prompts, n_new)  # warm-up
     plains = [_decode_graphed(target, prompts, n_new) for _ in range(repeats)]
     plain_out = plains[0][0]
@@ -163,25 +164,37 @@ def run_case(res: Results, target, drafter, batch: int, context: int, ps=P_GRID,
         _say(f"{label}: plain decode and the loop's tokens differ")
     from ..speculator.loop import policy_memory
     oracle.set_reference(prompts, want, drafter.cache.block_table.shape[0])
+    # per p the three loop strategies are timed interleaved, each repeat in a rotated order
+    # (never, always and policy timed in separate batches, and never once a case, left a ~1%
+    # gap where the policy chose exactly what always did: drift between batches, session 23)
+    loops = (("never", dict(policy_blocks=(1,))), ("always", dict(policy=False)),
+             ("policy", {}))
     for i, p in enumerate(ps):
         oracle.p = p
         for mem in policy_memory(oracle).values():  # a new workload: keep only the costs
             mem.forget_acceptance()
-        rates = {"plain decode": plain, "never": never}
-        notes = {}
-        for name, kw in (("always", dict(policy=False)), ("policy", {})):
+        for name, kw in loops[1:]:
             if i == 0 or name == "policy":  # warm-up: compiles and captures (first p); the
                 _loop_rate(target, oracle, prompts, n_new, **kw)  # policy learns this p
-            runs = [_loop_rate(target, oracle, prompts, n_new, **kw) for _ in range(repeats)]
-            out, _, st, _ = runs[0]
-            # the counter target's margin: every strategy commits never's tokens (a request
-            # that parts would make the oracle wrong for it from there: counted)
-            differ = sum(a != b for a, b in zip(out, want))
-            rates[name] = statistics.median(r[1] for r in runs)
-            notes[name] = (f"{differ} of {batch} outputs differ from never's; " if differ
-                           else "") + (f"acceptance {st.mean_acceptance:.2f}; "
-                           + ", ".join(f"{'decode' if b == 1 else f'block {b}'} {k}"
-                                       for b, k in sorted(st.blocks.items(), reverse=True)))
+        runs = {name: [] for name, _ in loops}
+        for k in range(repeats):
+            for name, kw in loops[k % len(loops):] + loops[:k % len(loops)]:
+                runs[name].append(_loop_rate(target, oracle, prompts, n_new, **kw))
+        rates = {"plain decode": plain}
+        notes = {}
+        for name, _ in loops:
+            rates[name] = statistics.median(r[1] for r in runs[name])
+            # the counter target's margin: every strategy commits never's first tokens (a
+            # request that parts would make the oracle wrong for it from there: counted)
+            differ = sum(sum(a != b for a, b in zip(r[0], want)) for r in runs[name])
+            st = runs[name][0][2]
+            counts = " | ".join(", ".join(f"{'decode' if b == 1 else f'block {b}'} {c}"
+                                          for b, c in sorted(r[2].blocks.items(), reverse=True))
+                                for r in runs[name])
+            notes[name] = ((f"{differ} outputs of {repeats} x {batch} differ from never's; "
+                            if differ else "")
+                           + (f"acceptance {st.mean_acceptance:.2f}; " if name != "never" else "")
+                           + f"runs: {counts}")
         for name in STRATEGIES:
             res.add(TABLE, case=label, p=p, strategy=name, tokens_per_s=rates[name],
                     x=p, note=notes.get(name, ""))
