@@ -21,6 +21,10 @@ Cases (H200 shapes; bf16):
   conv_t4096      the same at T 4096 (65% of copy; issue 16 asks 70)
   convnorm_t8     conv_add_rms_norm_, CUDA, T 8
   convnorm_t4096  the same at T 4096 (63% of copy)
+  ctxrms_t8       context_kv_ with hidden_rms, CUDA, 8 tokens, Qwen3-8B-DFlash (x[8, 4096],
+                  w_kv[10240, 4096], 5 layers x 8 KV heads x D 128, paged caches): the vLLM
+                  plugin's precompute at batch 8 (cuBLAS GEMM + the fused epilogue, ~4.5 us a
+                  call in session 22's vLLM profile)
   topk_b1         row_topk, CUDA, z[7, 248320] k 16 (DFlash 2's selector input at batch 1)
   select_b1       select_candidates, CUDA, R 1, J 7, k 16, rank 256
 """
@@ -70,6 +74,20 @@ def _convnorm(t):
     return lambda: conv_add_rms_norm(x, r, dyn, base, GS, BLOCK, w, 1e-6)
 
 
+def _ctxrms(t):
+    from dflash_ops.ops.context import context_kv_
+    from dflash_ops.ops.rope import make_cos_sin_cache
+    layers, hkv, d, h, blocks, bs = 5, 8, 128, 4096, 64, 16
+    x, w = _rand(t, h), _rand(layers * 2 * hkv * d, h) * h ** -0.5
+    kw = 1 + 0.1 * _rand(layers, d)
+    pos = torch.arange(1000, 1000 + t, device="cuda")
+    cs = make_cos_sin_cache(4096, d, 1e6, device="cuda")
+    slots = torch.randperm(blocks * bs, device="cuda")[:t]
+    kc = [torch.zeros(blocks, bs, hkv, d, dtype=BF16, device="cuda") for _ in range(layers)]
+    vc = [torch.zeros_like(c) for c in kc]
+    return lambda: context_kv_(x, w, None, kw, pos, cs, slots, kc, vc, 1e-6, True, None, True)
+
+
 def _topk():
     from dflash_ops.ops.select import row_topk
     z = _rand(7, 248320)
@@ -96,6 +114,7 @@ CASES = {
     "conv_t4096": ("grouped_dyn_conv", lambda: _conv(4096)),
     "convnorm_t8": ("conv_add_rms_norm_", lambda: _convnorm(8)),
     "convnorm_t4096": ("conv_add_rms_norm_", lambda: _convnorm(4096)),
+    "ctxrms_t8": ("context_kv_", lambda: _ctxrms(8)),
     "topk_b1": ("row_topk", _topk),
     "select_b1": ("select_candidates", _select),
 }
