@@ -8,6 +8,7 @@ committed)."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -434,3 +435,21 @@ def test_bench_policy_times_the_three_loops_interleaved(monkeypatch):
     assert pol["note"].count("block 16") == 3 and "runs:" in pol["note"]
     summary = res.tables()[bp.SUMMARY]
     assert len(summary) == 2 and all(not r["ok (>= 0.97)"] for r in summary)  # 190 vs 200
+
+
+def test_bench_policy_trace_records_choices_and_costs(tmp_path):
+    from dflash_ops.bench import policy as bp
+    path = tmp_path / "trace.jsonl"
+    with bp._traced(str(path), case="B=1 S=8", p=0.2, run=0):
+        pol = P.Policy([1, 8], 1)
+        for b in (8, 8, 1):
+            got = pol.choose([0], 1, 50, [10])
+            assert got == b
+            pol.observe(got, 1, 50, 0.01, [0], [1], [False])
+    assert P.Policy.choose.__name__ == "choose"  # unpatched after the block
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["choice"] for r in rows] == [8, 8, 1]
+    assert rows[0]["case"] == "B=1 S=8" and rows[0]["p"] == 0.2 and rows[0]["left"] == [10, 10]
+    assert all(r["seconds"] == 0.01 for r in rows) and not any(r["probe"] for r in rows)
+    with bp._traced(None):  # no path: nothing patched, nothing written
+        assert P.Policy.choose.__name__ == "choose"

@@ -29,7 +29,8 @@ the costs) and gets one warm-up run on it before the timed ones.
 
 Cases: B 1 / 8 / 32 x S 1k / 8k / 32k (``--quick``: 1 x 1k, 8 x 1k, 1 x 8k), or
 ``DFLASH_OPS_BENCH_POLICY_CASES`` (``BxS`` comma-separated, ``k`` = 1024); a case that does not
-fit in memory is skipped with a line saying so.
+fit in memory is skipped with a line saying so. ``DFLASH_OPS_BENCH_POLICY_TRACE=PATH`` appends
+every choice of the timed policy runs to PATH (JSON lines: ``_traced``).
 
 Target (issue 18): the policy never more than 3% slower than the better of ``always`` and
 ``never`` (the issue's "always draft" and "never draft") at any grid point, and faster than both
@@ -39,6 +40,9 @@ flags every few tokens, which plain decoding does not).
 """
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import statistics
 import sys
 import time
@@ -127,6 +131,48 @@ def counter_target(state: dict, successor_of: int, seed: int = 7, residual: floa
             t.mul_(residual)
 
 
+ENV_TRACE = "DFLASH_OPS_BENCH_POLICY_TRACE"  # a path: the policy's choices, JSON lines
+
+
+@contextlib.contextmanager
+def _traced(path: Optional[str], **tag):
+    """With ``path``: every ``Policy.choose`` inside the block appended to it as a JSON line
+    (``tag``, the choice, whether it was a probe, the batch bucket, the longest request, the
+    tokens left (min / max), each option's estimated tokens a second, each request's
+    acceptance estimate, the consecutive decode iterations before it) with the iteration's
+    measured seconds from the ``observe`` after it (absent for a cut decode iteration, which
+    the loop does not observe). Without: nothing is patched."""
+    if not path:
+        yield
+        return
+    from ..speculator import policy as pm
+    choose, observe, rows = pm.Policy.choose, pm.Policy.observe, []
+
+    def traced_choose(self, requests, bucket, longest, left=None):
+        decoding = self._decoding
+        b = choose(self, requests, bucket, longest, left)
+        rates = self.rates(requests, bucket, pm.context_bucket(longest), left)
+        rows.append(dict(tag, choice=b, probe=b != self._last, bucket=bucket, longest=longest,
+                         left=[min(left), max(left)] if left else None, decoding=decoding,
+                         rates={k: round(v, 1) for k, v in rates.items()},
+                         estimate=[round(self.rate(r), 3) for r in requests]))
+        return b
+
+    def traced_observe(self, b, bucket, longest, seconds, *args, **kw):
+        if rows:
+            rows[-1]["seconds"] = round(seconds, 6)
+        return observe(self, b, bucket, longest, seconds, *args, **kw)
+
+    pm.Policy.choose, pm.Policy.observe = traced_choose, traced_observe
+    try:
+        yield
+    finally:
+        pm.Policy.choose, pm.Policy.observe = choose, observe
+        with open(path, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+
 def _say(text: str) -> None:
     print(f"[policy] {text}", file=sys.stderr, flush=True)
 
@@ -177,9 +223,11 @@ def run_case(res: Results, target, drafter, batch: int, context: int, ps=P_GRID,
             if i == 0 or name == "policy":  # warm-up: compiles and captures (first p); the
                 _loop_rate(target, oracle, prompts, n_new, **kw)  # policy learns this p
         runs = {name: [] for name, _ in loops}
+        trace = os.environ.get(ENV_TRACE, "").strip() or None
         for k in range(repeats):
             for name, kw in loops[k % len(loops):] + loops[:k % len(loops)]:
-                runs[name].append(_loop_rate(target, oracle, prompts, n_new, **kw))
+                with _traced(trace if name == "policy" else None, case=label, p=p, run=k):
+                    runs[name].append(_loop_rate(target, oracle, prompts, n_new, **kw))
         rates = {"plain decode": plain}
         notes = {}
         for name, _ in loops:
@@ -238,8 +286,6 @@ ENV_CASES = "DFLASH_OPS_BENCH_POLICY_CASES"  # e.g. "32x1k,8x32k": replaces the 
 
 
 def run(quick: bool = False, cases=None) -> Results:
-    import os
-
     from .e2e import (KV_BLOCK, build_models, install_caches, parse_cases,
                       qwen3_8b_dflash_config, qwen3_8b_target_config, release_caches, round_up)
     env = os.environ.get(ENV_CASES, "").strip()
