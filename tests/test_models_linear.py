@@ -37,6 +37,7 @@ def test_parse_table_rejects_a_short_cfg():
 
 def test_choice_is_the_table_on_cuda_half_else_cublas(monkeypatch):
     monkeypatch.setattr(L, "TABLE", {(64, 32): {16: tuple(CFG)}})
+    monkeypatch.setattr(L, "TABLE_GPU", None)  # a table that names no GPU: any
     cuda = torch.device("cuda")
     assert L.choice(16, 64, 32, torch.bfloat16, cuda, graph=True) == tuple(CFG)
     assert L.choice(16, 64, 32, torch.float16, cuda, graph=True) == tuple(CFG)
@@ -94,3 +95,14 @@ def test_triton_path_matches_f_linear_gpu(monkeypatch, m):
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=2e-2)
     torch.testing.assert_close(L.linear(x, w, b).float(), want, atol=3e-2, rtol=2e-2)
+
+
+def test_the_table_holds_only_on_the_gpu_it_was_measured_on(monkeypatch):
+    monkeypatch.setattr(L, "TABLE", {(64, 32): {16: tuple(CFG)}})
+    monkeypatch.setattr(L, "TABLE_GPU", "NVIDIA H200")
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(L, "_device_name", lambda i: "NVIDIA A100-SXM4-80GB")
+    assert L.choice(16, 64, 32, torch.bfloat16, cuda, graph=True) is None  # cuBLAS elsewhere
+    monkeypatch.setattr(L, "_device_name", lambda i: "NVIDIA H200")
+    assert L.choice(16, 64, 32, torch.bfloat16, cuda, graph=True) == tuple(CFG)
+    assert L._load()[1] == "NVIDIA H200"  # the shipped table names its GPU

@@ -15,11 +15,13 @@ algorithm, split-K included, by M).
 
 ``TABLE`` comes from ``linear_table.json`` next to this file, written by
 ``benchmarks/sweep_linear.py --write-table`` from measurements on the H200 (each entry: the
-config and both times); without the file every layer uses cuBLAS. The choice depends on shapes
+config and both times); without the file, or on a GPU other than the one it names, every
+layer uses cuBLAS. The choice depends on shapes
 only, so a captured graph replays with any values.
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Dict, Optional, Tuple
@@ -63,14 +65,32 @@ def parse_table(doc: dict) -> Table:
     return table
 
 
-def _load() -> Table:
+def _load() -> Tuple[Table, Optional[str]]:
     if not TABLE_PATH.exists():
-        return {}
+        return {}, None
     with open(TABLE_PATH) as f:
-        return parse_table(json.load(f))
+        doc = json.load(f)
+    return parse_table(doc), doc.get("env", {}).get("gpu")
 
 
-TABLE: Table = _load()
+# the table and the GPU it was measured on (its env's "gpu", torch.cuda.get_device_name):
+# its configs are that GPU's winners, so on another GPU every layer runs cuBLAS (an H200
+# split-K or tile choice can lose to cuBLAS elsewhere, and sm_80 has no TMA)
+TABLE, TABLE_GPU = _load()
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def table_applies(device: torch.device) -> bool:
+    """Whether the table's choices hold on ``device``: the GPU it was measured on (or a
+    table that names none)."""
+    if TABLE_GPU is None:
+        return True
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _device_name(index) == TABLE_GPU
 
 
 def choice(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
@@ -82,7 +102,8 @@ def choice(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
         return None
     if not (dispatch.in_graph_call() if graph is None else graph):
         return None
-    return TABLE.get((n, k), {}).get(m_bucket(m))
+    cfg = TABLE.get((n, k), {}).get(m_bucket(m))
+    return cfg if cfg is not None and table_applies(device) else None
 
 
 def exact_choice(dtype: torch.dtype, device: torch.device) -> Optional[tuple]:
