@@ -5,8 +5,8 @@ batches do not: this times the CUDA kernel (its automatic choice) on B requests 
 are drawn, seeded, from [S / 8, S] (16 queries each, Hq 32 / Hkv 8, D 128, pages of 16, bf16,
 a random block permutation), with the same one-line report per case as the paged table's
 columns: us, % of copy (bytes = the keys each request holds, K and V once, plus q and out).
-Run it in two trees to compare kernels within one call (e.g. `python benchmarks/attn_mixed.py`
-in `.old` and here: the persistent wgmma kernel vs the grid the hardware schedules).
+Run it in two trees to compare kernels within one call (`python benchmarks/attn_mixed.py` in
+`.old` and here; session 23 compared the refuted persistent wgmma kernel this way).
 
     python benchmarks/attn_mixed.py [--cases 64x1024,32x4096,64x8192] [--seed 0]
 """
@@ -48,14 +48,21 @@ def main() -> int:
                     help="comma-separated BxS: B requests of lengths in [S/8, S]")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
+    cases = []
+    for item in a.cases.split(","):
+        parts = item.strip().lower().split("x")
+        if (len(parts) != 2 or not all(x.isdigit() for x in parts) or int(parts[0]) < 1
+                or int(parts[1]) < QLEN):
+            ap.error(f"--cases: expected BxS with B >= 1 and S >= {QLEN} (e.g. 64x1024), "
+                     f"got {item!r}")
+        cases.append((item.strip(), *(int(x) for x in parts)))
     floors = measure_floors()
     print(f"commit {os.environ.get('DFLASH_OPS_COMMIT', '?')} copy {floors['copy_GBps']:.0f} "
           f"GB/s; lengths in [S/8, S], seed {a.seed}; checked against block_attention_ref "
           f"(max error <= 2 bf16 ulps of max |ref|) before timing")
     print(f"{'case':<12} {'keys':>9} {'us':>9} {'% copy':>7} {'floor us':>9} {'err':>9}")
     scale = D ** -0.5
-    for item in a.cases.split(","):
-        b, s = (int(x) for x in item.lower().split("x"))
+    for item, b, s in cases:
         table, seq, qsl, moved, keys, sets = case(b, s, a.seed)
         q, kc, vc = sets[0]
         got = dflash_ops.block_attention(q, kc, vc, table, seq, qsl, scale).float()

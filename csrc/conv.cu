@@ -120,8 +120,7 @@ struct ConvNormParams {
 constexpr int kNormThreads = 256;
 
 __device__ __forceinline__ float block_sum(float v, float* smem) {  // blockDim.x % 32 == 0
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  v = warp_sum(v);  // common.cuh: the same butterfly (16, 8, 4, 2, 1)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   if (lane == 0) smem[warp] = v;
   __syncthreads();

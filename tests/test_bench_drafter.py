@@ -26,16 +26,17 @@ TINY = dict(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=
 def test_step_cost_hand_count():
     cfg = bd.drafter_config(TINY)  # H 64, L 2, Hq 4, Hkv 2, D 16, I 96, V 101, b 4, 2 taps x 64
     c = bd.step_cost(cfg, batch=3, context=40, new=4)
-    # elements: fc 64 x 128; norms 2*64 + 2*(2*64 + 2*16); per layer qkv (4+4)*16 x 64 = 8192,
+    # elements: fc 64 x 128; norms 64 (final; hidden_norm is folded into the stacked K/V) +
+    # 2*(2*64 + 2*16); per layer qkv (4+4)*16 x 64 = 8192,
     # o 64 x 64 = 4096, gate/up/down 3 x 96 x 64 = 18432 -> 30720; stacked K/V 2*2*2*16 x 64;
     # LM head 101 x 64; K/V read 3 x 40 x (2*2*2*16 = 128); embeddings 3 x 4 x 64;
     # tap hidden 3 x 4 x 128; K/V written 3 x 4 x 128
-    want = {"fc": 8192, "norms": 128 + 320, "layers": 2 * 30720, "stacked K/V": 128 * 64,
+    want = {"fc": 8192, "norms": 64 + 320, "layers": 2 * 30720, "stacked K/V": 128 * 64,
             "LM head": 6464, "K/V read": 15360, "embeddings": 768, "tap hidden": 1536,
             "K/V written": 1536}
     assert c["bytes"] == {k: 2 * v for k, v in want.items()}
     assert c["total_bytes"] == 2 * sum(want.values())
-    assert bd.weight_bytes(c) == 2 * (8192 + 448 + 61440 + 8192 + 6464)
+    assert bd.weight_bytes(c) == 2 * (8192 + 384 + 61440 + 8192 + 6464)
     flops = {"context": 2 * 12 * (8192 + 8192), "layers": 2 * 12 * 2 * 30720,
              "attention": 4 * 3 * 4 * 2 * 4 * 16 * 44, "LM head": 2 * 3 * 3 * 6464}
     assert c["flops"] == pytest.approx(flops)

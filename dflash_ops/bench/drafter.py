@@ -42,7 +42,8 @@ Columns (tables per context length S, one row block per batch, then a summary ta
 * ``floor`` = max(bytes / copy bandwidth, FLOPs / bf16 GEMM rate), both measured in this run
   (``measure_floors``); ``step_cost`` itemizes it (bf16, 2 bytes an element; b = block 16, N =
   16 new rows a request, T = 5 taps, Ht = 4096 target hidden, L = 5, I = 12288, V = 151936):
-    bytes = 2 * [ H*T*Ht (fc) + 2H (hidden_norm, final norm)
+    bytes = 2 * [ H*T*Ht (fc) + H (final norm; hidden_norm's weight is folded into the stacked
+                  context K/V weight)
                 + L*((Hq + 2Hkv)*D*H + H*Hq*D + 3*I*H + 2H + 2D) (qkv, o, gate/up/down, norms)
                 + L*2*Hkv*D*H (the stacked context K/V weight: the k/v weights a second time, as
                   our drafter reads them) + V*H (LM head)
@@ -164,7 +165,7 @@ def step_cost(cfg, batch: int, context: int, new: int = NEW, itemsize: int = 2) 
     v, fc_in = cfg.vocab_size, cfg.fc_in_features
     by = {
         "fc": fc_in * h,
-        "norms": 2 * h + L * (2 * h + 2 * d),  # hidden_norm, final norm; per layer 2 + q/k
+        "norms": h + L * (2 * h + 2 * d),  # final norm; per layer 2 + q/k (hidden_norm: in K/V)
         "layers": L * layer_params(cfg),
         "stacked K/V": cfg.kv_width * h,
         "LM head": v * h,

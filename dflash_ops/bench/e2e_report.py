@@ -99,8 +99,9 @@ def drafter_step_cost(cfg, batch: int, context: int, block: int = BLOCK,
     request (default a whole block) at positions context-new .. context-1, then the block at
     context .. context+block-1 over the ``context`` cached keys, the LM head on block-1 rows.
 
-    weights: fc, hidden_norm, the layers, the stacked context K/V weight (the k/v projections a
-    second time, as the drafter reads them), the final norm; lm_head: V*H (the target's);
+    weights: fc, the layers, the stacked context K/V weight (the k/v projections a second
+    time, as the drafter reads them, with hidden_norm's weight folded in), the final norm;
+    lm_head: V*H (the target's);
     kv_read: the cached context K/V; kv_write: the new context K/V; other: block embedding rows +
     tap hidden states in. Not counted: the block's own K/V (on chip in a minimal step), logits."""
     new = block if new is None else new
@@ -109,7 +110,7 @@ def drafter_step_cost(cfg, batch: int, context: int, block: int = BLOCK,
     mats, vecs = _layer_params(H, cfg.num_heads, cfg.num_kv_heads, D, cfg.intermediate_size,
                                True, cfg.attention_bias)
     kv_row = L * 2 * cfg.num_kv_heads * D
-    cost = {"weights": elt * (H * T * Ht + 2 * H + L * (mats + vecs) + kv_row * H),
+    cost = {"weights": elt * (H * T * Ht + H + L * (mats + vecs) + kv_row * H),
             "lm_head": elt * V * H,
             "kv_read": elt * batch * context * kv_row,
             "kv_write": elt * batch * new * kv_row,

@@ -88,7 +88,6 @@ class DFlashDrafter:
         self.d2t = state["d2t"].to(dev).long() if "d2t" in state else None
 
         self.fc = w("fc.weight")
-        self.hidden_norm = w("hidden_norm.weight")
         self.norm = w("norm.weight")
         w_kv, b_kv, k_weight = stack_kv(state, cfg)
         # the hidden norm's weight folded into the stacked K/V weight's columns (rounded once, in
