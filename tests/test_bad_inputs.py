@@ -81,6 +81,22 @@ def _expect_error(op, kw, arg, what):
     return msg
 
 
+def _hidden_rms_params():
+    return [pytest.param(mutate, arg, id=cid) for cid, mutate, arg in
+            bad_samples()["context_kv_"] if cid.startswith("hidden_rms")]
+
+
+@pytest.mark.parametrize("mutate, arg", _hidden_rms_params())
+def test_context_kv_hidden_rms_error_is_one_line(mutate, arg):
+    """context_kv_ with hidden_rms=True (or asked for beside a hidden_norm weight) and one
+    argument broken: a one-line error that starts with the op and the argument."""
+    kw = base("context_kv_")
+    mutate(kw)
+    assert kw["hidden_rms"] is True
+    msg = _expect_error("context_kv_", kw, arg, "context_kv_ hidden_rms")
+    assert "\n" not in msg and msg.startswith(f"dflash.context_kv_: {arg} "), msg
+
+
 def _tensor_args(kw):
     """(name, name as an error names it, list index or None) of every non-empty tensor argument
     (empty tensors stand for absent arguments in some schemas)."""

@@ -3,6 +3,9 @@
 ``DFLASH_OPS_DEBUG=1`` turns out-of-range device values (slots, positions, block ids, lengths)
 into errors naming them, without writing; without it those values are skipped/clamped as each
 op documents. Degenerate sizes give the documented result or an error naming the argument.
+``context_kv_`` with ``hidden_rms`` has its own cases at the end (out-of-range slots and
+positions, NaN / inf x rows, T = 0, NaN-filled caches; T on both sides of the CUDA epilogue's
+256-token limit).
 """
 from __future__ import annotations
 
@@ -42,6 +45,12 @@ DEBUG_CASES = [
     ("context_kv_", "slot-past-cache", set_(slot_mapping=torch.tensor([3, -1, 0, 9, 16])),
      "slot_mapping"),
     ("context_kv_", "position-past-table", set_(positions=torch.tensor([3, 1, P, 9, 2])),
+     "positions"),
+    ("context_kv_", "hidden_rms-slot-past-cache",
+     set_(hidden_norm_weight=None, hidden_rms=True, slot_mapping=torch.tensor([3, -1, 0, 9, 16])),
+     "slot_mapping"),
+    ("context_kv_", "hidden_rms-position-past-table",
+     set_(hidden_norm_weight=None, hidden_rms=True, positions=torch.tensor([3, -1, P, 9, 2])),
      "positions"),
     ("block_attention", "block-id-past-cache",
      set_(block_table=torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 10]], dtype=I32)), "block_table"),
@@ -295,4 +304,258 @@ def test_out_of_range_values_guarded_gpu(backend, dtype):
             check_guarded_out_of_range(op, cid, mutate, backend, "cuda", dtype)
             ran += 1
     assert ran, f"no {backend} kernel for any case"
+    torch.cuda.synchronize()
+
+
+# --------------------------------------------------------------------------------------------
+# context_kv_ with hidden_rms (the hidden norm's weight folded into w_kv; each token's rstd
+# computed by the op: in the CUDA epilogue at T <= 256 in bf16/fp32, by a norm pass above that
+# and in fp16, by a norm pass in Triton). Caches NaN-filled inside guard memory: the slots of the
+# rows compared are finite and match the torch reference on the same inputs, every other cache
+# element keeps its NaN bit for bit, the guards theirs. torch on CPU here; Triton under the
+# interpreter; Triton and CUDA on the GPU (benchmarks/gpu_check.sh sanitize runs them too).
+# --------------------------------------------------------------------------------------------
+RMS_T = (1, 7, 256, 257)  # both sides of the CUDA epilogue's limit (256 tokens)
+RMS_BACKENDS = ["triton", "cuda"]
+RMS_GPU_DTYPES = [torch.float16, torch.bfloat16]
+
+
+class RmsCase:
+    """A valid hidden_rms call with T tokens: x [T, H] (``pad_x`` > 0: a column slice of a
+    [T, H + pad_x] buffer whose other columns hold NaN), w_kv scaled so K and V stay O(1), a
+    bias, k_weight (``strided_kw``: every other column of a wider one, which the CUDA epilogue
+    reads on its scalar path), positions in [0, P), distinct in-range slots; L = 2, Hkv = 2,
+    D = 64, block_size 4, T // 4 + 3 blocks; caches in ``layout``
+    (tests/test_triton_context_interp.py's) filled with NaN. ``kw``: the op's arguments but the
+    caches; ``run(backend)`` makes fresh caches."""
+
+    def __init__(self, t, device="cpu", dtype=torch.float32, *, h=64, layout="separate",
+                 pad_x=0, strided_kw=False, neox=True, seed=0):
+        from tests.test_triton_context_interp import _table
+        g = torch.Generator().manual_seed(seed * 1000 + t)
+        self.t, self.layout, self.d, self.bs, self.nb = t, layout, 64, 4, t // 4 + 3
+        self.n_slots = self.nb * self.bs
+        n_layers, hkv, d = 2, 2, self.d
+        n = n_layers * 2 * hkv * d
+
+        def rnd(*shape, scale=1.0):
+            return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+        x = torch.full((t, h + pad_x), float("nan"), dtype=dtype)
+        x[:, :h] = rnd(t, h)
+        k_weight = (1 + 0.1 * rnd(n_layers, d)).repeat_interleave(2 if strided_kw else 1, 1)
+        cs = _table(d, "cpu")
+        self.p = cs.shape[0]
+        kw = dict(x=x, w_kv=rnd(n, h, scale=max(h, 1) ** -0.5), bias=rnd(n, scale=0.5),
+                  k_weight=k_weight, positions=torch.randint(0, self.p, (t,), generator=g),
+                  cos_sin_cache=cs, slot_mapping=torch.randperm(self.n_slots, generator=g)[:t],
+                  eps=EPS, is_neox=neox, hidden_norm_weight=None, hidden_rms=True)
+        # moved whole, then sliced (.to() would make a strided view contiguous)
+        self.kw = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+        self.kw["x"] = self.kw["x"][:, :h]
+        if strided_kw:
+            self.kw["k_weight"] = self.kw["k_weight"][:, ::2]
+        shape = {"separate": (self.nb, self.bs, hkv, d), "nhd2": (self.nb, 2, self.bs, hkv, d),
+                 "hnd2d": (self.nb, hkv, self.bs, 2 * d)}[layout]
+        self.backing = [torch.full(shape, float("nan"), dtype=dtype, device=device)
+                        for _ in range(2 * n_layers if layout == "separate" else n_layers)]
+        self.what = (f"T={t} H={h} {layout} pad_x={pad_x} strided_kw={strided_kw} "
+                     f"neox={neox} {dtype}")
+
+    def views(self, backing):
+        from tests.test_triton_context_interp import _cache_views
+        return _cache_views(self.layout, backing, self.d)
+
+    def run(self, backend):
+        """The op with ``backend`` forced into fresh NaN caches inside guard memory; the
+        Guarded backing tensors."""
+        from dflash_ops import dispatch as D
+        from tests.test_hostile_inputs import Guarded
+        guards = [Guarded(b, GUARD_POISON, contiguous=True) for b in self.backing]
+        kc, vc = self.views([gd.view for gd in guards])
+        with D.use_backend(backend, ops=("context_kv_",)):
+            torch.ops.dflash.context_kv_.default(**self.kw, k_caches=kc, v_caches=vc)
+        return guards
+
+
+def _bits(t):
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def check_rms(case, backend, bad_rows=(), what=""):
+    """``case`` run with ``backend`` and with the torch reference: guards intact; the slots of
+    the rows with an in-range slot, but ``bad_rows`` (rows whose x holds NaN / inf: their own
+    slots are not compared), finite and within tolerance of the reference's; every element of
+    every other slot unchanged (its NaN, bit for bit) in both."""
+    what = f"context_kv_[{backend}] hidden_rms {case.what} {what}"
+    want, got = case.run("torch"), case.run(backend)
+    for i, gd in enumerate(got):
+        gd.check(f"{what}: cache tensor {i}")
+    slots = case.kw["slot_mapping"].cpu()
+    keep = (slots >= 0) & (slots < case.n_slots)
+    written = [torch.zeros(b.shape, dtype=torch.bool) for b in case.backing]
+    for views in case.views(written):
+        for c in views:
+            c[slots[keep] // case.bs, slots[keep] % case.bs] = True
+    for i, (gd, wd, b0) in enumerate(zip(got, want, case.backing)):
+        out = ~written[i].to(b0.device)
+        assert torch.equal(_bits(gd.view[out]), _bits(b0[out])), \
+            f"{what}: an element outside the in-range slots changed (cache tensor {i})"
+        assert torch.equal(_bits(wd.view[out]), _bits(b0[out])), f"{what}: reference wrote more"
+    cmp = keep.clone()
+    cmp[list(bad_rows)] = False
+    if not bool(cmp.any()):
+        return
+    blk, row = slots[cmp] // case.bs, slots[cmp] % case.bs
+    dtype = case.backing[0].dtype
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for kind, g_l, w_l in zip("KV", case.views([gd.view for gd in got]),
+                              case.views([wd.view for wd in want])):
+        for layer, (g, w) in enumerate(zip(g_l, w_l)):
+            g, w = g[blk.to(g.device), row.to(g.device)], w[blk.to(g.device), row.to(g.device)]
+            assert bool(torch.isfinite(w).all()), f"{what}: {kind}{layer}: reference not finite"
+            assert bool(torch.isfinite(g).all()), f"{what}: {kind} layer {layer}: not finite"
+            torch.testing.assert_close(g.float(), w.float(), **tol,
+                                       msg=lambda m: f"{what}: {kind} layer {layer}: {m}")
+
+
+def check_rms_slots(backend, device="cpu", dtype=torch.float32):
+    """Slots < 0 or >= num_blocks * block_size (-1, -2, n_slots, n_slots + 7, +-2^40): the row
+    is not written (the op's contract: skipped), the others are as the reference writes them."""
+    for t in RMS_T:
+        case = RmsCase(t, device, dtype, seed=1)
+        n = case.n_slots
+        slots = case.kw["slot_mapping"].cpu()
+        rows = torch.randperm(t, generator=torch.Generator().manual_seed(t))
+        for r, s in zip(rows.tolist(), [n, -1, 2 ** 40, -(2 ** 40), n + 7, -2]):
+            slots[r] = s
+        case.kw["slot_mapping"] = slots.to(device)
+        check_rms(case, backend, what="out-of-range slots")
+
+
+def check_rms_positions(backend, device="cpu", dtype=torch.float32):
+    """Positions outside [0, P) (-1, P, P + 100, +-2^40): K normalised but not rotated (the
+    reference's rule), V as usual."""
+    for t in RMS_T:
+        case = RmsCase(t, device, dtype, seed=2, layout="hnd2d")
+        p = case.p
+        pos = case.kw["positions"].cpu()
+        rows = torch.randperm(t, generator=torch.Generator().manual_seed(t))
+        for r, v in zip(rows.tolist(), [p, -1, p + 100, 2 ** 40, -(2 ** 40)]):
+            pos[r] = v
+        case.kw["positions"] = pos.to(device)
+        check_rms(case, backend, what="out-of-range positions")
+
+
+def check_rms_nonfinite_x(backend, device="cpu", dtype=torch.float32):
+    """x rows with NaN / inf (their own slots not compared; one NaN row's slot is -1) must not
+    reach any other row's slot; zero, huge (x 1000) and tiny (x 1e-3) rows beside them get
+    the reference's values (rstd 1 / sqrt(eps) for the zero row: K and V from the bias)."""
+    inf, nan = float("inf"), float("nan")
+    for t in (12, 256, 257):
+        case = RmsCase(t, device, dtype, seed=3, pad_x=8)
+        x, slots = case.kw["x"], case.kw["slot_mapping"]
+        x[0] *= 1e-3
+        x[1] = nan
+        x[2] = 0
+        x[t // 2, 5] = inf
+        x[t // 2 + 1] *= 1000
+        x[t - 2] = nan
+        slots[t - 2] = -1  # a NaN row that nothing is written for
+        x[t - 1, 0], x[t - 1, 7] = -inf, nan
+        check_rms(case, backend, bad_rows=(1, t // 2, t - 2, t - 1), what="non-finite x rows")
+
+
+def check_rms_zero_tokens(backend, device="cpu", dtype=torch.float32):
+    """T = 0 (x [0, H], also H = 0): nothing written, no error."""
+    for h in (64, 0):
+        check_rms(RmsCase(0, device, dtype, h=h, seed=4), backend, what="T = 0")
+
+
+def check_rms_poisoned(backend, device="cpu", dtype=torch.float32):
+    """Every cache layout, x rows in and out of 16-byte vectors, x's padding columns NaN, the
+    CUDA epilogue's vector and scalar paths, NeoX and GPT-J: only the valid slots change, to
+    the reference's values."""
+    for layout, t, h, pad, strided_kw, neox in (
+            ("separate", 1, 64, 8, False, True), ("nhd2", 256, 36, 5, False, True),
+            ("hnd2d", 257, 64, 8, False, True), ("hnd2d", 7, 36, 5, False, False),
+            ("separate", 33, 64, 8, True, False), ("nhd2", 256, 64, 0, True, True)):
+        case = RmsCase(t, device, dtype, h=h, layout=layout, pad_x=pad, strided_kw=strided_kw,
+                       neox=neox, seed=5)
+        check_rms(case, backend, what="poisoned caches")
+
+
+RMS_CHECKS = {"slots": check_rms_slots, "positions": check_rms_positions,
+              "nonfinite_x": check_rms_nonfinite_x, "zero_tokens": check_rms_zero_tokens,
+              "poisoned": check_rms_poisoned}
+
+
+@pytest.mark.parametrize("name", list(RMS_CHECKS))
+def test_context_kv_hidden_rms_hostile_torch(name):
+    RMS_CHECKS[name]("torch")
+
+
+_TRITON_RMS = r"""
+import torch, triton
+import tests.test_out_of_range_inputs as t
+for dtype in (torch.float32, torch.float16):
+    for check in t.RMS_CHECKS.values():
+        check("triton", "cpu", dtype)
+print("interp-ok")
+"""
+
+
+def test_context_kv_hidden_rms_hostile_triton_interpreted():
+    from tests.conftest import run_interpreted
+    run_interpreted(_TRITON_RMS, timeout=900)
+
+
+def _need_rms(backend):
+    from dflash_ops import dispatch as D
+    if not D.has_backend("context_kv_", backend):
+        pytest.skip(f"no {backend} kernel for context_kv_")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", RMS_BACKENDS)
+@pytest.mark.parametrize("dtype", RMS_GPU_DTYPES, ids=["fp16", "bf16"])
+def test_context_kv_hidden_rms_out_of_range_slots_gpu(backend, dtype):
+    _need_rms(backend)
+    check_rms_slots(backend, "cuda", dtype)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", RMS_BACKENDS)
+@pytest.mark.parametrize("dtype", RMS_GPU_DTYPES, ids=["fp16", "bf16"])
+def test_context_kv_hidden_rms_out_of_range_positions_gpu(backend, dtype):
+    _need_rms(backend)
+    check_rms_positions(backend, "cuda", dtype)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", RMS_BACKENDS)
+@pytest.mark.parametrize("dtype", RMS_GPU_DTYPES, ids=["fp16", "bf16"])
+def test_context_kv_hidden_rms_nonfinite_x_rows_gpu(backend, dtype):
+    _need_rms(backend)
+    check_rms_nonfinite_x(backend, "cuda", dtype)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", RMS_BACKENDS)
+@pytest.mark.parametrize("dtype", RMS_GPU_DTYPES, ids=["fp16", "bf16"])
+def test_context_kv_hidden_rms_zero_tokens_gpu(backend, dtype):
+    _need_rms(backend)
+    check_rms_zero_tokens(backend, "cuda", dtype)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", RMS_BACKENDS)
+@pytest.mark.parametrize("dtype", RMS_GPU_DTYPES, ids=["fp16", "bf16"])
+def test_context_kv_hidden_rms_poisoned_caches_gpu(backend, dtype):
+    _need_rms(backend)
+    check_rms_poisoned(backend, "cuda", dtype)
     torch.cuda.synchronize()

@@ -172,6 +172,7 @@ def bad_samples() -> dict:
     """Bad-input cases per op, as [(case name, mutation, argument the error names)]: each mutation
     breaks one argument of the op's first sample case (see ``_samples``)."""
     I32, BF16 = torch.int32, torch.bfloat16
+    rms = set_(hidden_norm_weight=None, hidden_rms=True)  # the case with the weight in w_kv
     return {
         "kv_proj": [
             ("x-rank3", set_(x=rnd(5, 1, 32)), "x"),
@@ -226,6 +227,20 @@ def bad_samples() -> dict:
             ("hidden_norm_weight-meta", to("hidden_norm_weight", device=META),
              "hidden_norm_weight"),
             ("hidden_rms-with-hidden_norm_weight", set_(hidden_rms=True), "hidden_rms"),
+            # hidden_rms (the CUDA epilogue reads the bias and x itself): a break of another
+            # argument is still named
+            ("hidden_rms-hidden_norm_weight-shape",
+             set_(hidden_rms=True, hidden_norm_weight=rnd(64)), "hidden_norm_weight"),
+            ("hidden_rms-hidden_norm_weight-bf16",
+             both(set_(hidden_rms=True), to("hidden_norm_weight", dtype=BF16)),
+             "hidden_norm_weight"),
+            ("hidden_rms-bias-shape", both(rms, set_(bias=rnd(256))), "bias"),
+            ("hidden_rms-bias-bf16", both(rms, to("bias", dtype=BF16)), "bias"),
+            ("hidden_rms-bias-meta", both(rms, to("bias", device=META)), "bias"),
+            ("hidden_rms-x-rank3", both(rms, set_(x=rnd(5, 1, 32))), "x"),
+            ("hidden_rms-w_kv-cols", both(rms, set_(w_kv=rnd(512, 16))), "w_kv"),
+            ("hidden_rms-eps-negative", both(rms, set_(eps=-1.0)), "eps"),
+            ("hidden_rms-eps-nan", both(rms, set_(eps=float("nan"))), "eps"),
             ("eps-negative", set_(eps=-1.0), "eps"),
         ],
     }
