@@ -2,7 +2,7 @@
 # The one script run on the H200 (device tool): install (builds dflash_ops._C), info, check, the
 # GPU tests, the benchmarks. Logs and result tables go under $OUT (at most 8 files come back:
 # more are packed into $OUT/all.tgz at the end).
-# Usage: bash benchmarks/gpu_check.sh [build|tests|sanitize|ncu|ncu-cases|vllm|vllm-counter|vllm-bench|dflash2|policy|bench|ctx|attn|linear|drafter|e2e|models|compare|profile|cmake|all]
+# Usage: bash benchmarks/gpu_check.sh [build|tests|sanitize|ncu|ncu-cases|vllm|vllm-counter|vllm-bench|dflash2|policy|bench|ctx|attn|linear|pdl-probe|drafter|e2e|models|compare|profile|cmake|all]
 #   all:     tests + bench + ctx; build: install, info and check only
 #   tests:   pytest -m gpu over SHARDS processes; TEST_FILES="tests/a.py tests/b.py" for a subset
 #   sanitize: the hostile-value GPU tests (tests/test_hostile_inputs.py,
@@ -33,6 +33,8 @@
 #   attn:    the attention suite (BENCH_ARGS: --quick, --cases, --tables, --no-flex)
 #   models:  bench_drafter (DRAFTER_ARGS, default --no-ref), bench_e2e (E2E_ARGS, default --quick)
 #            and profile_step (PROFILE_ARGS) in one call
+#   pdl-probe: benchmarks/pdl_probe.py: what programmatic dependent launch saves a kernel in
+#            graphed chains of dependent Triton kernels (issue 19's launch-bound steps)
 #   ncu-cases: Nsight Compute of one launch of each of benchmarks/ncu_cases.py's NCU_CASES
 #            (the DFlash 2 projection GEMM, o_proj, conv, top-k, ...): $OUT/ncu_<case>.ncu-rep,
 #            its details page as text, and each page's headline metrics and rule findings
@@ -284,6 +286,9 @@ if [ "$what" = linear ]; then  # the models.linear table: cuBLAS vs the Triton G
   timeout 400 python3 benchmarks/sweep_linear.py ${BENCH_ARGS:-} --write-table \
     --out "$OUT/sweep_linear.json" 2>&1 | tee "$OUT/sweep_linear.log"
   cp dflash_ops/models/linear_table.json "$OUT/" 2>/dev/null
+fi
+if [ "$what" = pdl-probe ]; then
+  timeout 200 python3 benchmarks/pdl_probe.py 2>&1 | tee "$OUT/pdl_probe.log"
 fi
 if [ "$what" = attn ]; then
   timeout 500 python3 benchmarks/bench_attention.py ${BENCH_ARGS:-} --out "$OUT/results" 2>&1 \
