@@ -15,8 +15,10 @@ each timed per kernel:
   HBM) and the tiny kernel: a decode step's pattern. Its PDL variant ``gemv-prefetch`` loads
   the program's first weight block before the wait (weights do not depend on the predecessor).
 
-Variants: no PDL; PDL with the wait first; PDL with the wait first and launch_dependents right
-after it. Each result is checked (the chain's final vector) so a missing wait shows as wrong,
+Variants: no PDL; PDL with the wait first and no trigger (the dependents launch as the grid
+ends); PDL with ``launch_dependents`` right after the wait (session 21 tried that on the
+attention combine: refuted, its dependents' CTAs resident early); PDL with the trigger in the
+epilogue (after the loads / the K loop, before the store). Each result is checked (the chain's final vector) so a missing wait shows as wrong,
 not fast. Prints us a kernel per variant and the saving against no PDL.
 
     python benchmarks/pdl_probe.py
@@ -45,17 +47,22 @@ def main():
     from dflash_ops.bench.harness import time_fn
 
     @triton.jit
-    def tiny_kernel(x_ptr, y_ptr, N: tl.constexpr, GDC: tl.constexpr, EARLY: tl.constexpr):
+    def tiny_kernel(x_ptr, y_ptr, N: tl.constexpr, GDC: tl.constexpr, TRIGGER: tl.constexpr):
+        # TRIGGER: 0 none (the dependents launch as this grid ends), 1 after the wait, 2 after
+        # the loads (before the store: the epilogue)
         if GDC:
             tl.extra.cuda.gdc_wait()
-            if EARLY:
+            if TRIGGER == 1:
                 tl.extra.cuda.gdc_launch_dependents()
         offs = tl.arange(0, N)
-        tl.store(y_ptr + offs, tl.load(x_ptr + offs) + 1.0)
+        v = tl.load(x_ptr + offs) + 1.0
+        if GDC and TRIGGER == 2:
+            tl.extra.cuda.gdc_launch_dependents()
+        tl.store(y_ptr + offs, v)
 
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, y_ptr, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    GDC: tl.constexpr, EARLY: tl.constexpr, PREFETCH: tl.constexpr):
+                    GDC: tl.constexpr, TRIGGER: tl.constexpr, PREFETCH: tl.constexpr):
         # y[n] = sum_k x[k] w[n, k] for a BN-row block of w, BK columns a step
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         k = tl.arange(0, BK)
@@ -64,7 +71,7 @@ def main():
             w0 = tl.load(w_ptr + rows[:, None] * K + k[None, :])
         if GDC:
             tl.extra.cuda.gdc_wait()
-            if EARLY:
+            if TRIGGER == 1:
                 tl.extra.cuda.gdc_launch_dependents()
         acc = tl.zeros((BN,), dtype=tl.float32)
         for k0 in range(0, K, BK):
@@ -74,24 +81,27 @@ def main():
                 w = tl.load(w_ptr + rows[:, None] * K + (k0 + k)[None, :])
             xk = tl.load(x_ptr + k0 + k).to(tl.float32)
             acc += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
+        if GDC and TRIGGER == 2:
+            tl.extra.cuda.gdc_launch_dependents()
         tl.store(y_ptr + rows, acc)
 
     dev = "cuda"
     x = torch.zeros(N, device=dev)
     y = torch.zeros(N, device=dev)
     ws = [torch.randn(N, N, device=dev, dtype=torch.bfloat16) * 0.01 for _ in range(8)]
-    variants = {"no PDL": dict(pdl=False, GDC=False, EARLY=False),
-                "PDL, wait first": dict(pdl=True, GDC=True, EARLY=False),
-                "PDL, wait + launch_dependents": dict(pdl=True, GDC=True, EARLY=True)}
+    variants = {"no PDL": dict(pdl=False, GDC=False, TRIGGER=0),
+                "PDL, wait first": dict(pdl=True, GDC=True, TRIGGER=0),
+                "PDL, wait, trigger at start": dict(pdl=True, GDC=True, TRIGGER=1),
+                "PDL, wait, trigger at epilogue": dict(pdl=True, GDC=True, TRIGGER=2)}
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
           f"{triton.__version__}", flush=True)
 
     def tiny(src, dst, v):
-        tiny_kernel[(1,)](src, dst, N=N, GDC=v["GDC"], EARLY=v["EARLY"], launch_pdl=v["pdl"],
+        tiny_kernel[(1,)](src, dst, N=N, GDC=v["GDC"], TRIGGER=v["TRIGGER"], launch_pdl=v["pdl"],
                           num_warps=4)
 
     def gemv(src, dst, w, v, prefetch):
-        gemv_kernel[(N // 16,)](src, w, dst, K=N, BN=16, BK=256, GDC=v["GDC"], EARLY=v["EARLY"],
+        gemv_kernel[(N // 16,)](src, w, dst, K=N, BN=16, BK=256, GDC=v["GDC"], TRIGGER=v["TRIGGER"],
                                 PREFETCH=prefetch, launch_pdl=v["pdl"], num_warps=4)
 
     def tiny_chain(v):
