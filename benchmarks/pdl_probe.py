@@ -15,7 +15,8 @@ each timed per kernel:
   HBM) and the tiny kernel: a decode step's pattern. Its PDL variant ``gemv-prefetch`` loads
   the program's first weight block before the wait (weights do not depend on the predecessor).
 
-Variants: no PDL; PDL with the wait first and no trigger (the dependents launch as the grid
+Each variant's chain is checked first, eagerly and replaying a captured graph, against the
+chain without PDL. Variants: no PDL; PDL with the wait first and no trigger (the dependents launch as the grid
 ends); PDL with ``launch_dependents`` right after the wait (session 21 tried that on the
 attention combine: refuted, its dependents' CTAs resident early); PDL with the trigger in the
 epilogue (after the loads / the K loop, before the store). Each result is checked (the chain's final vector) so a missing wait shows as wrong,
@@ -122,18 +123,31 @@ def main():
             if chain == "gemv-prefetch" and not v["pdl"]:
                 continue
             try:
-                # check: the tiny chain adds TINY_CHAIN to zeros; the gemv chain ends with the
-                # last gemv's output + 1, compared with the same chain run without PDL
-                x.zero_()
-                fn(v)
-                torch.cuda.synchronize()
-                got = x.clone()
+                # check, eagerly and replaying a captured graph: the chain from zeros equals
+                # the same chain without PDL run eagerly (tiny: TINY_CHAIN added; gemv: the
+                # last GEMV's output + 1)
                 x.zero_()
                 fn(variants["no PDL"])
                 torch.cuda.synchronize()
-                if not torch.equal(got, x):
-                    print(f"{chain:14s} {name:30s}: WRONG result (a missing wait?)", flush=True)
+                want = x.clone()
+                x.zero_()
+                fn(v)
+                torch.cuda.synchronize()
+                eager_ok = torch.equal(x, want)
+                fn(v)  # compiled before the capture
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    fn(v)
+                x.zero_()
+                g.replay()
+                torch.cuda.synchronize()
+                if not (eager_ok and torch.equal(x, want)):
+                    where = "graph replay" if eager_ok else "eager"
+                    print(f"{chain:14s} {name:30s}: WRONG result ({where}; a missing wait?)",
+                          flush=True)
                     continue
+                del g
                 r = time_fn(lambda: fn(v), graph=True, warmup_ms=5, rep_ms=100, calls=4)
             except Exception as e:  # noqa: BLE001 - e.g. a Triton without launch_pdl
                 print(f"{chain:14s} {name:30s}: failed {type(e).__name__}: {str(e)[:100]}",
