@@ -159,13 +159,15 @@ def test_table_splits_the_precompute_kernels_the_plugin_replaces(tmp_path):
 
 def test_ours_variant_runs_our_loop_on_the_pairs_checkpoints(tmp_path):
     """``run --variant ours`` (no vLLM): our loop and our plain decode on a tiny pair written by
-    vllm_check.py make-pair; the table puts its time over our own plain decode."""
+    vllm_check.py make-pair; the table puts its time over our own plain decode. 32 new tokens:
+    the plain decode's time is a difference of two runs (with and without them), and with 8 a
+    loaded CPU once made it negative (clamped to 0)."""
     bench, check = (str(ROOT / "benchmarks" / f) for f in ("bench_vllm.py", "vllm_check.py"))
     pair, res = tmp_path / "pair", tmp_path / "r.jsonl"
     subprocess.run([sys.executable, check, "make-pair", str(pair), "--width", "tiny"],
                    capture_output=True, text=True, check=True)
     r = subprocess.run([sys.executable, bench, "run", str(pair), "--variant", "ours", "--batch",
-                        "1,2", "--context", "32", "--new", "8", "--dtype", "float32", "--profile",
+                        "1,2", "--context", "32", "--new", "32", "--dtype", "float32", "--profile",
                         "2", "--out", str(res)], capture_output=True, text=True, env={
                             **__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 0, r.stderr[-2000:]
