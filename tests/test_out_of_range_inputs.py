@@ -517,45 +517,12 @@ def _need_rms(backend):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", list(RMS_CHECKS))
 @pytest.mark.parametrize("backend", RMS_BACKENDS)
 @pytest.mark.parametrize("dtype", RMS_GPU_DTYPES, ids=["fp16", "bf16"])
-def test_context_kv_hidden_rms_out_of_range_slots_gpu(backend, dtype):
+def test_context_kv_hidden_rms_hostile_gpu(name, backend, dtype):
+    """The checks above (out-of-range slots and positions, non-finite x rows, T = 0, poisoned
+    caches) on the GPU kernels."""
     _need_rms(backend)
-    check_rms_slots(backend, "cuda", dtype)
-    torch.cuda.synchronize()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", RMS_BACKENDS)
-@pytest.mark.parametrize("dtype", RMS_GPU_DTYPES, ids=["fp16", "bf16"])
-def test_context_kv_hidden_rms_out_of_range_positions_gpu(backend, dtype):
-    _need_rms(backend)
-    check_rms_positions(backend, "cuda", dtype)
-    torch.cuda.synchronize()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", RMS_BACKENDS)
-@pytest.mark.parametrize("dtype", RMS_GPU_DTYPES, ids=["fp16", "bf16"])
-def test_context_kv_hidden_rms_nonfinite_x_rows_gpu(backend, dtype):
-    _need_rms(backend)
-    check_rms_nonfinite_x(backend, "cuda", dtype)
-    torch.cuda.synchronize()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", RMS_BACKENDS)
-@pytest.mark.parametrize("dtype", RMS_GPU_DTYPES, ids=["fp16", "bf16"])
-def test_context_kv_hidden_rms_zero_tokens_gpu(backend, dtype):
-    _need_rms(backend)
-    check_rms_zero_tokens(backend, "cuda", dtype)
-    torch.cuda.synchronize()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", RMS_BACKENDS)
-@pytest.mark.parametrize("dtype", RMS_GPU_DTYPES, ids=["fp16", "bf16"])
-def test_context_kv_hidden_rms_poisoned_caches_gpu(backend, dtype):
-    _need_rms(backend)
-    check_rms_poisoned(backend, "cuda", dtype)
+    RMS_CHECKS[name](backend, "cuda", dtype)
     torch.cuda.synchronize()
