@@ -3,7 +3,8 @@ layers of a Qwen3-8B target and its DFlash drafter (bf16, H200), for the table o
 ``dflash_ops/models/linear.py``.
 
 Shapes (N, K): qkv (6144, 4096), o_proj (4096, 4096), gate_up (24576, 4096), down (4096, 12288),
-the drafter's fc (4096, 5 * 4096) and the LM head (151936, 4096); M (rows) = the M buckets of
+the drafter's fc (4096, 5 * 4096), the LM head (151936, 4096) and DFlash 2's kernel projection
+proj2 (1280, 5120); M (rows) = the M buckets of
 models.linear up to 1024 (decode: M = batch; draft/verify blocks: M = 16 * batch). For each
 (shape, M): cuBLAS, then a grid of ``ProjCfg`` launches, each checked against F.linear on the
 same inputs before it is timed (CUDA-graph replay over copies of the weight totalling >= 256 MB,
@@ -28,7 +29,8 @@ import time
 from pathlib import Path
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
-          "down": (4096, 12288), "fc": (4096, 20480), "lm_head": (151936, 4096)}
+          "down": (4096, 12288), "fc": (4096, 20480), "lm_head": (151936, 4096),
+          "proj2": (1280, 5120)}  # proj2: DFlash 2's kernel projection (H 5120, K 2, group 16)
 MS = (1, 8, 16, 32, 64, 128, 256, 512, 1024)
 ROTATE_BYTES = 256 << 20  # weight copies a shape rotates over (the H200's L2: 50 MB)
 QUICK_MS = (1, 16, 64, 256)
@@ -47,6 +49,10 @@ def grid(m, tc):
         for bn in (32, 64):
             yield tc.ProjCfg(bm, bn, 128, 8, 4, tc._stages(4, bm, bn, 128, 2), True, True)
         yield tc.ProjCfg(bm, 32, 128, 8, 4, 4, False)
+        # split-K: K in 2-8 slices, so narrow N (proj2: 1280 columns are 40-80 tiles) still
+        # spreads over every SM; the tile's last program sums the fp32 partials
+        for split, bn in itertools.product((2, 4, 8), (16, 32, 64)):
+            yield tc.ProjCfg(bm, bn, 128, 8, 4, tc._stages(4, bm, bn, 128, 2), True, False, split)
     else:
         for bm, bn, st in itertools.product((64, 128), (64, 128, 256), (3, 4)):
             w = 8 if bm * bn >= 128 * 128 else 4

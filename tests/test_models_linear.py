@@ -31,8 +31,11 @@ def test_parse_table_keeps_only_triton_wins():
 
 
 def test_parse_table_rejects_a_short_cfg():
-    with pytest.raises(ValueError, match="8-field cfg"):
+    with pytest.raises(ValueError, match="8- or 9-field cfg .* got 5 fields"):
         L.parse_table(_doc((4096, 4096, 16, CFG[:5], 20.0, 25.0)))
+    # the ninth field (split) is accepted
+    assert L.parse_table(_doc((4096, 4096, 16, CFG + [4], 20.0, 25.0))) == \
+        {(4096, 4096): {16: tuple(CFG + [4])}}
 
 
 def test_choice_is_the_table_on_cuda_half_else_cublas(monkeypatch):
@@ -106,3 +109,32 @@ def test_the_table_holds_only_on_the_gpu_it_was_measured_on(monkeypatch):
     monkeypatch.setattr(L, "_device_name", lambda i: "NVIDIA H200")
     assert L.choice(16, 64, 32, torch.bfloat16, cuda, graph=True) == tuple(CFG)
     assert L._load()[1] == "NVIDIA H200"  # the shipped table names its GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,split,tma", [(1, 4, True), (8, 3, True), (16, 8, False), (40, 2, True)])
+def test_split_k_path_matches_f_linear_gpu(monkeypatch, m, split, tma):
+    """The split-K kernel through models.linear, bf16, under graph replay: three replays with
+    new inputs each (the tiles' counters are back at zero after every call, or a replay would
+    leave tiles unwritten), then an eager kernel call on the same counters."""
+    from dflash_ops.triton import context as tc
+    n, k = 1280, 5120  # DFlash 2's kernel projection
+    cfg = (16 if m <= 16 else 64, 32, 128, 8, 4, 3, tma, False, split)
+    monkeypatch.setattr(L, "TABLE", {(n, k): {L.m_bucket(m): cfg}})
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    tc._tile_counters(x.device, 1)  # the cached counters exist before capture: replays share them
+    g, got = dispatch.capture_graph(lambda: L.linear(x, w, b))
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        got.fill_(float("nan"))
+        g.replay()
+        want = F.linear(x.float(), w.float(), b.float())
+        torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=2e-2)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    tc.launch_proj(x, w, b, out, tc.ProjCfg(*cfg))
+    torch.testing.assert_close(out.float(), F.linear(x.float(), w.float(), b.float()),
+                               atol=3e-2, rtol=2e-2)
+    torch.cuda.synchronize()
+    assert all(int(c.abs().sum()) == 0 for c in tc._COUNTERS.values())

@@ -204,6 +204,21 @@ def check_kv_proj_variants(device):
     check_kv_proj(device, (torch.float16,), shapes=((7, 128, 96), (70, 64, 200)), cfgs=cfgs)
 
 
+def check_kv_proj_split(device):
+    """The split-K kernel (ProjCfg.split > 1): slices of whole BLOCK_K steps, empty trailing
+    slices (split 5 over two K steps), H not a multiple of BLOCK_K and not 16-byte aligned
+    (pointer loads), several M / N tiles, bias; every tile's counter back at zero after each
+    call (a counter left behind would leave the next call's tile unwritten)."""
+    from dflash_ops.triton import context as tc
+    cfgs = [tc.ProjCfg(16, 32, 32, 8, 4, 2, True, False, 2),
+            tc.ProjCfg(16, 16, 32, 2, 4, 2, False, False, 3),
+            tc.ProjCfg(32, 64, 16, 4, 4, 3, True, False, 5)]
+    check_kv_proj(device, (torch.float16, torch.float32),
+                  shapes=((7, 128, 96), (40, 64, 200), (3, 36, 48)), cfgs=cfgs)
+    for buf in tc._COUNTERS.values():
+        assert int(buf.abs().sum()) == 0, "split-K counters not reset"
+
+
 def check_context_kv_huge_slots(device, dtype=torch.float16, d=64, hkv=2, n_layers=2, h=32,
                                 backend="triton"):
     """num_blocks * block_size >= 2^31 (64-bit slot math) without the memory: caches whose
@@ -277,13 +292,13 @@ getattr(t, "check_" + sys.argv[1])("cpu")
 if sys.argv[1] == "context_kv":
     t.check_context_kv_huge_slots("cpu")
     t.check_context_variants("cpu")
-else:
+elif sys.argv[1] == "kv_proj":
     t.check_kv_proj_variants("cpu")
 print("interp-ok")
 """
 
 
-@pytest.mark.parametrize("what", ["kv_proj", "context_kv"])
+@pytest.mark.parametrize("what", ["kv_proj", "kv_proj_split", "context_kv"])
 def test_triton_context_kv_interpreter_cpu(what):
     run_interpreted(_SCRIPT, what, timeout=600)
 

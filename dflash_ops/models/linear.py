@@ -38,7 +38,8 @@ M_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # TMA (any strides and alignments), not persistent; not yet measured (issue 19)
 EXACT_CFG = (64, 128, 64, 8, 4, 3, False, False)
 
-# (N, K) -> {m_bucket: ProjCfg fields (bm, bn, bk, gm, warps, stages, tma, persistent)}
+# (N, K) -> {m_bucket: ProjCfg fields (bm, bn, bk, gm, warps, stages, tma, persistent[, split])}
+# (split > 1: the split-K kernel: K in slices, the tile's last program sums the fp32 partials)
 Table = Dict[Tuple[int, int], Dict[int, tuple]]
 
 
@@ -58,9 +59,10 @@ def parse_table(doc: dict) -> Table:
         cfg = e.get("cfg")
         if cfg is None or not e["triton_us"] < e["cublas_us"]:
             continue
-        if len(cfg) != 8:
-            raise ValueError(f"{TABLE_PATH.name}: entry {e} needs an 8-field cfg "
-                             f"(bm, bn, bk, gm, warps, stages, tma, persistent)")
+        if len(cfg) not in (8, 9):
+            raise ValueError(f"{TABLE_PATH.name}: entry {e} needs an 8- or 9-field cfg "
+                             f"(bm, bn, bk, gm, warps, stages, tma, persistent[, split]), "
+                             f"got {len(cfg)} fields")
         table.setdefault((int(e["n"]), int(e["k"])), {})[int(e["m"])] = tuple(cfg)
     return table
 

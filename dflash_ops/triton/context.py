@@ -138,6 +138,64 @@ def _kv_proj_kernel(x_ptr, w_ptr, b_ptr, out_ptr, T, N, H, x_st_m, x_st_k, w_st_
 
 
 @triton.jit
+def _proj_splitk_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, T, N, H, KS, x_st_m,
+                        x_st_k, w_st_n, w_st_k, b_st, o_st_m, NUM_M, NUM_N,
+                        SPLIT: tl.constexpr, TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr):
+    # Program (tile, s) computes the tile's fp32 partial over K in [s * KS, (s + 1) * KS) (KS a
+    # multiple of BLOCK_K) into part[s]; the tile's last program to finish (a counter a tile,
+    # acq_rel at GPU scope after a block barrier, the order CUTLASS's split-K semaphore uses)
+    # sums the SPLIT partials in slice order, adds the bias, rounds once to out and sets the
+    # counter back to 0, so the next call (or graph replay) finds it zeroed.
+    tile = tl.program_id(0)
+    s = tl.program_id(1)
+    pid_m, pid_n = _tile_ids(tile, NUM_M, NUM_N, GROUP_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    k_lo = s * KS
+    k_hi = tl.minimum(k_lo + KS, H)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if not TMA:
+        r = tl.where(rows < T, rows, 0).to(tl.int64)
+        c = tl.where(cols < N, cols, 0).to(tl.int64)
+        a_ptrs = x_ptr + r[:, None] * x_st_m + (k_lo + k)[None, :].to(tl.int64) * x_st_k
+        b_ptrs = w_ptr + c[:, None] * w_st_n + (k_lo + k)[None, :].to(tl.int64) * w_st_k
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if TMA:  # reads past H are zeros
+            a = x_ptr.load([pid_m * BLOCK_M, k0])
+            b = w_ptr.load([pid_n * BLOCK_N, k0])
+        else:
+            kmask = (k0 + k) < k_hi
+            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=kmask[None, :], other=0.0)
+            a_ptrs += BLOCK_K * x_st_k
+            b_ptrs += BLOCK_K * w_st_k
+        if a.dtype == tl.float32:  # fp32 in, fp32 math (no TF32)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+    # partials: [SPLIT, NUM_M * BLOCK_M, NUM_N * BLOCK_N] fp32, whole tiles (no masks)
+    pn = NUM_N * BLOCK_N
+    sl = NUM_M * BLOCK_M * pn
+    poff = rows.to(tl.int64)[:, None] * pn + cols[None, :]
+    tl.store(part_ptr + s * sl + poff, acc)
+    tl.debug_barrier()
+    done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if done == SPLIT - 1:
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s2 in range(SPLIT):
+            total += tl.load(part_ptr + s2 * sl + poff, cache_modifier=".cg")
+        mask = (rows < T)[:, None] & (cols < N)[None, :]
+        if HAS_BIAS:
+            total += tl.load(b_ptr + cols * b_st, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        off = rows.to(tl.int64)[:, None] * o_st_m + cols[None, :]
+        tl.store(out_ptr + off, total.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _partner(y, BLOCK_M: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
              IS_NEOX: tl.constexpr, GATHER: tl.constexpr):
     # the rotation partner of every column of y[BLOCK_M, D] (columns >= R: anything)
@@ -242,7 +300,8 @@ def _context_kv_kernel(x_ptr, w_ptr, b_ptr, kw_ptr, pos_ptr, cs_ptr, slot_ptr, k
 # ------------------------------------------------------------------------------------ configs
 class ProjCfg(NamedTuple):
     """A kv_proj launch: tile sizes, GROUP_M (grouped tile order), warps, pipeline stages,
-    whether x and w are read through TMA tensor descriptors."""
+    whether x and w are read through TMA tensor descriptors, persistent programs, and the
+    number of K slices (split > 1: the split-K kernel, not persistent)."""
     bm: int
     bn: int
     bk: int
@@ -251,6 +310,7 @@ class ProjCfg(NamedTuple):
     stages: int
     tma: bool = True
     persistent: bool = False
+    split: int = 1
 
 
 class CtxCfg(NamedTuple):
@@ -348,6 +408,24 @@ def _operands(x, w, bm, bn, bk, tma):
     return x, w
 
 
+# split-K tile counters: one int32 a tile, zero between calls (the last program of a tile sets
+# its counter back), kept per device; grown (a new zeroed buffer) outside graph capture only
+_COUNTERS: dict = {}
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    key = (device.type, device.index)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # a buffer made inside a capture belongs to that graph's pool: a zeroed one a call
+            # (captured as a memset), not cached
+            return torch.zeros(tiles, dtype=torch.int32, device=device)
+        buf = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
 def launch_proj(x, w_kv, bias, out, cfg: ProjCfg) -> None:
     t, h = x.shape
     n = w_kv.shape[0]
@@ -355,6 +433,19 @@ def launch_proj(x, w_kv, bias, out, cfg: ProjCfg) -> None:
     num_m, num_n = triton.cdiv(t, cfg.bm), triton.cdiv(n, cfg.bn)
     xo, wo = _operands(x, w_kv, cfg.bm, cfg.bn, cfg.bk, tma)
     b = bias if bias is not None else out
+    if cfg.split > 1:
+        # K slices of whole BLOCK_K steps; trailing slices may be empty (they add zeros)
+        ks = triton.cdiv(triton.cdiv(h, cfg.split), cfg.bk) * cfg.bk
+        part = torch.empty((cfg.split, num_m * cfg.bm, num_n * cfg.bn), dtype=torch.float32,
+                           device=x.device)
+        cnt = _tile_counters(x.device, num_m * num_n)
+        _proj_splitk_kernel[(num_m * num_n, cfg.split)](
+            xo, wo, b, out, part, cnt, t, n, h, ks, x.stride(0), x.stride(1), w_kv.stride(0),
+            w_kv.stride(1), bias.stride(0) if bias is not None else 0, out.stride(0), num_m,
+            num_n, SPLIT=cfg.split, TMA=tma, HAS_BIAS=bias is not None, BLOCK_M=cfg.bm,
+            BLOCK_N=cfg.bn, BLOCK_K=cfg.bk, GROUP_M=cfg.gm, num_warps=cfg.warps,
+            num_stages=cfg.stages)
+        return
     _kv_proj_kernel[(_grid(num_m * num_n, cfg.persistent, x.device),)](
         xo, wo, b, out, t, n, h, x.stride(0), x.stride(1), w_kv.stride(0), w_kv.stride(1),
         bias.stride(0) if bias is not None else 0, out.stride(0), num_m, num_n, TMA=tma,
