@@ -233,7 +233,7 @@ if [ "$what" = ncu ]; then  # Nsight Compute of one kernel launch inside a bench
   fi
 fi
 if [ "$what" = ncu-cases ]; then  # Nsight Compute of benchmarks/ncu_cases.py's cases, one each
-  for c in ${NCU_CASES:-proj_linear proj_triton o_cublas o_triton convnorm_t8 conv_t4096 ctxrms_t8 topk_b1}; do
+  for c in ${NCU_CASES:-proj_linear proj_triton proj_splitk o_cublas o_triton convnorm_t8 conv_t4096 ctxrms_t8 topk_b1}; do
     timeout "${NCU_TIMEOUT:-120}" ncu --clock-control none --nvtx --nvtx-include "ncu/" \
       --set "${NCU_SET:-full}" -o "$OUT/ncu_$c" python3 benchmarks/ncu_cases.py "$c" \
       > "$OUT/ncu_${c}_run.log" 2>&1

@@ -15,6 +15,7 @@ Cases (H200 shapes; bf16):
                   (cuBLAS; ~36% of copy in session 23)
   proj_triton     the same GEMM with the Triton skinny GEMM (models.linear's best sweep
                   config for it, or proj_config's)
+  proj_splitk     the same GEMM with the split-K Triton kernel (bn 32, bk 128, 4 slices)
   o_cublas        F.linear x[1, 4096] w[4096, 4096] (the target's o_proj at batch 1)
   o_triton        the same with models.linear's table config for it (Triton)
   conv_t8         grouped_dyn_conv, CUDA, x[8, 5120], K 2, group 16, blocks of 8
@@ -49,6 +50,12 @@ BF16 = torch.bfloat16
 
 def _rand(*shape):
     return torch.randn(*shape, dtype=BF16, device="cuda")
+
+
+def _splitk_linear(x, w):
+    from dflash_ops.triton.context import ProjCfg, kv_proj
+    cfg = ProjCfg(16, 32, 128, 8, 4, 4, True, False, 4)
+    return lambda: kv_proj(x, w, None, cfg=cfg)
 
 
 def _triton_linear(x, w):
@@ -107,6 +114,7 @@ CASES = {
     "proj_linear": (None, lambda: (lambda x, w: lambda: F.linear(x, w))(_rand(8, H2),
                                                                      _rand(1280, H2))),
     "proj_triton": (None, lambda: _triton_linear(_rand(8, H2), _rand(1280, H2))),
+    "proj_splitk": (None, lambda: _splitk_linear(_rand(8, H2), _rand(1280, H2))),
     "o_cublas": (None, lambda: (lambda x, w: lambda: F.linear(x, w))(_rand(1, 4096),
                                                                   _rand(4096, 4096))),
     "o_triton": (None, lambda: _triton_linear(_rand(1, 4096), _rand(4096, 4096))),
