@@ -112,7 +112,8 @@ def test_the_table_holds_only_on_the_gpu_it_was_measured_on(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,split,tma", [(1, 4, True), (8, 3, True), (16, 8, False), (40, 2, True)])
+@pytest.mark.parametrize("m,split,tma", [(1, 4, True), (8, 3, True), (16, 8, False), (40, 2, True),
+                                         (8, 48, True)])  # 48 slices of 40 K steps: 8 empty
 def test_split_k_path_matches_f_linear_gpu(monkeypatch, m, split, tma):
     """The split-K kernel through models.linear, bf16, under graph replay: three replays with
     new inputs each (the tiles' counters are back at zero after every call, or a replay would

@@ -217,6 +217,10 @@ def check_kv_proj_split(device):
                   shapes=((7, 128, 96), (40, 64, 200), (3, 36, 48)), cfgs=cfgs)
     for buf in tc._COUNTERS.values():
         assert int(buf.abs().sum()) == 0, "split-K counters not reset"
+    # a larger call grows the counters; the old buffer stays alive (graphs keep its address)
+    old = tc._tile_counters(torch.device(device), 1)
+    tc._tile_counters(torch.device(device), old.numel() + 1)
+    assert any(r is old for r in tc._RETIRED)
 
 
 def check_context_kv_huge_slots(device, dtype=torch.float16, d=64, hkv=2, n_layers=2, h=32,

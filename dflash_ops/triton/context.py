@@ -176,17 +176,20 @@ def _proj_splitk_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, T, N, H
             acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, tl.trans(b), acc)
-    # partials: [SPLIT, NUM_M * BLOCK_M, NUM_N * BLOCK_N] fp32, whole tiles (no masks)
+    # partials: [SPLIT, NUM_M * BLOCK_M, NUM_N * BLOCK_N] fp32 (64-bit offsets); rows past T
+    # neither written nor read (at M 1 a 16-row tile would move 16x the partial bytes)
     pn = NUM_N * BLOCK_N
-    sl = NUM_M * BLOCK_M * pn
+    sl = NUM_M.to(tl.int64) * BLOCK_M * pn
     poff = rows.to(tl.int64)[:, None] * pn + cols[None, :]
-    tl.store(part_ptr + s * sl + poff, acc)
+    pmask = (rows < T)[:, None] & (cols >= 0)[None, :]
+    tl.store(part_ptr + s * sl + poff, acc, mask=pmask)
     tl.debug_barrier()
     done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
     if done == SPLIT - 1:
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for s2 in range(SPLIT):
-            total += tl.load(part_ptr + s2 * sl + poff, cache_modifier=".cg")
+            total += tl.load(part_ptr + s2 * sl + poff, mask=pmask, other=0.0,
+                             cache_modifier=".cg")
         mask = (rows < T)[:, None] & (cols < N)[None, :]
         if HAS_BIAS:
             total += tl.load(b_ptr + cols * b_st, mask=cols < N, other=0.0).to(tl.float32)[None, :]
@@ -409,8 +412,12 @@ def _operands(x, w, bm, bn, bk, tma):
 
 
 # split-K tile counters: one int32 a tile, zero between calls (the last program of a tile sets
-# its counter back), kept per device; grown (a new zeroed buffer) outside graph capture only
+# its counter back), kept per device; grown (a new zeroed buffer) outside graph capture only.
+# A buffer once handed out is never freed (_RETIRED): a graph captured with it keeps its
+# address. Calls share the buffer, so split-K launches must not run concurrently on one device
+# (two streams, or parallel branches of a graph): the models run one stream.
 _COUNTERS: dict = {}
+_RETIRED: list = []
 
 
 def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
@@ -421,7 +428,9 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
             # a buffer made inside a capture belongs to that graph's pool: a zeroed one a call
             # (captured as a memset), not cached
             return torch.zeros(tiles, dtype=torch.int32, device=device)
-        buf = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = torch.zeros(max(tiles, 16384), dtype=torch.int32, device=device)
         _COUNTERS[key] = buf
     return buf
 
