@@ -10,12 +10,16 @@ the active requests it picks the option with the most expected tokens a second:
   (1 - a) under a geometric model of acceptance, a = the request's running rate at which a
   draft is accepted given the previous one was (accepted drafts over drafts judged: a
   rejection is judged, drafts after it are not), decayed so that it follows the text; a new
-  request's prior is worth eight judged drafts at the pair's acceptance over earlier requests
-  (four accepted and four rejected before any; a prior of two let a couple of unlucky
-  probes decide, a simulation near the break-even acceptance: 0.91 -> 0.97 of the better
-  strategy at p 0.4, batch 1). b = 1 is plain decoding: one token, or ``decode_tokens`` (the
-  loop's graphed greedy decode iteration runs several steps). Every count is capped by the
-  tokens the request may still commit (its max_new_tokens).
+  request's prior is worth sixteen judged drafts at the pair's acceptance over earlier
+  requests (eight accepted and eight rejected before any; a prior of two let a couple of
+  unlucky probes decide, a simulation near the break-even acceptance: 0.91 -> 0.97 of the
+  better strategy at p 0.4, batch 1; eight let a poor stretch at a request's start pull the
+  estimate under the break-even, 0.965 on the H200 at p 0.4, batch 1 x 8k, 0.92 median in a
+  simulation of that run, 1.00 with sixteen). b = 1 is plain decoding: one token, or
+  ``decode_tokens`` (the loop's graphed greedy decode iteration runs several steps); an
+  iteration the loop cuts short (no request has that many tokens left) costs its steps plus
+  a fixed part (``DECODE_FIXED``), not a whole iteration. Every count is capped by the tokens
+  the request may still commit (its max_new_tokens).
 - ``cost``: the seconds of one iteration of that option for this batch bucket (the steps'
   padded batch) and context bucket (the next power of two of the longest active request), the
   wall time the loop measures around the iteration (which ends in the loop's one host read),
@@ -48,12 +52,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-PRIOR = (4.0, 8.0)  # (accepted, judged) drafts before any evidence: a = 0.5
+PRIOR = (8.0, 16.0)  # (accepted, judged) drafts before any evidence: a = 0.5
 DECAY = 0.95        # weight of the past per observation of a request
 PAIR_DECAY = 0.99   # the same for the pair's acceptance over all requests (new ones' prior)
 SWITCH = 0.02  # stay with the last option unless another's expected rate is this much higher
 PROBE_BUDGET = 0.01  # while decoding, probes lose at most this share of the time (as estimated)
 PROBE_MAX = 256      # decode iterations between probes at most
+# the share of a decode iteration's time that does not scale with its steps (flush, the host
+# read): H200, Qwen3-8B B 8 x 1k, 22.9 ms for four steps of ~5.39 ms each
+DECODE_FIXED = 0.06
 
 
 def expected_tokens(a: float, b: int) -> float:
@@ -139,6 +146,9 @@ class Policy:
         out = {}
         for b in self.options:
             c = self.cost_of(b, bucket, ctx)
+            if c is not None and c > 0 and b == 1 and cap:
+                k = max(1, min(self.decode_tokens, max(cap)))  # the steps the loop will run
+                c *= DECODE_FIXED + (1.0 - DECODE_FIXED) * k / self.decode_tokens
             if c is not None and c > 0:
                 tokens = (sum(min(self.decode_tokens, m) for m in cap) if b == 1 else
                           sum(expected_tokens(self.rate(r), min(b, m))
@@ -162,18 +172,32 @@ class Policy:
         if last in rates and rates[best] <= (1.0 + SWITCH) * rates[last]:
             best = last
         if (best == 1 and len(self.options) > 1
-                and self._decoding >= self.probe_interval(rates, bucket, ctx)):
+                and self._decoding >= self.probe_interval(rates, bucket, ctx, requests)):
             return self._take(self.options[-1], probing=True)
         return self._take(best, probing=False)
 
-    def probe_interval(self, rates: Dict[int, float], bucket: int, ctx: int) -> int:
+    def probe_interval(self, rates: Dict[int, float], bucket: int, ctx: int,
+                       requests: Optional[Sequence[int]] = None) -> int:
         """Decode iterations before a probe with the largest block: the fewest whose time holds
-        the probe's estimated loss against decoding within PROBE_BUDGET (1 to PROBE_MAX)."""
+        the probe's estimated loss against decoding within PROBE_BUDGET (1 to PROBE_MAX).
+        ``requests``: the active ones. A decode iteration moves every request the same
+        tokens, and a batch ends with its slowest request, so a probe is worth what it moves
+        the slowest one: the fewest tokens any request commits, whose mean is E(prod_r a_r, b)
+        (its chance of passing a draft is every request's); counted n times against decoding's
+        n requests. (Pricing it by the sum of the requests' tokens, as the choice does, halved
+        its loss at batch 8, p 0.2: a probe every 6 decode iterations, 0.961 of decoding on
+        the H200; 0.99 simulated with this price.) Batch 1: the same as the sum."""
         b = self.options[-1]
         c1, cb = self.cost_of(1, bucket, ctx), self.cost_of(b, bucket, ctx)
         if not (rates.get(1) and rates.get(b) and c1 and cb):
             return 1
-        loss = cb * max(SWITCH, 1.0 - rates[b] / rates[1])  # at least a switch's margin
+        rate_b = rates[b]
+        if requests is not None and len(requests) > 1:
+            a = 1.0
+            for r in requests:
+                a *= self.rate(r)
+            rate_b = len(requests) * expected_tokens(a, b) / cb
+        loss = cb * max(SWITCH, 1.0 - rate_b / rates[1])  # at least a switch's margin
         return int(min(PROBE_MAX, max(1, math.ceil(loss / (PROBE_BUDGET * c1)))))
 
     def _take(self, b: int, probing: bool) -> int:
