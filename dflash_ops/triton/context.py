@@ -179,7 +179,7 @@ def _proj_splitk_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, T, N, H
     # partials: [SPLIT, NUM_M * BLOCK_M, NUM_N * BLOCK_N] fp32 (64-bit offsets); rows past T
     # neither written nor read (at M 1 a 16-row tile would move 16x the partial bytes)
     pn = NUM_N * BLOCK_N
-    sl = NUM_M.to(tl.int64) * BLOCK_M * pn
+    sl = tl.cast(NUM_M, tl.int64) * BLOCK_M * pn  # NUM_M may be the JIT's constexpr 1
     poff = rows.to(tl.int64)[:, None] * pn + cols[None, :]
     pmask = (rows < T)[:, None] & (cols >= 0)[None, :]
     tl.store(part_ptr + s * sl + poff, acc, mask=pmask)

@@ -1,0 +1,47 @@
+"""The split-K skinny GEMM (``triton.context._proj_splitk_kernel``) compiled for sm_90 on any
+machine (no GPU), with the arguments the JIT specialises at decode shapes (T = 1, one M tile,
+one N tile, unit strides: ints equal to 1 become constexprs, which the interpreter never
+does: ``NUM_M.to(...)`` compiled in the interpreter and failed here), through TMA descriptors
+and through pointers; the tile counter's atomic is acq_rel at GPU scope after a barrier."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+# (TMA, the JIT's specialisations of a one-row call)
+CASES = [(True, False), (True, True), (False, False), (False, True)]
+
+
+def _compile(tma: bool, ones: bool) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from dflash_ops.triton import context as tc
+    fn = tc._proj_splitk_kernel
+    consts = dict(SPLIT=4, TMA=tma, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128,
+                  GROUP_M=8)
+    if ones:
+        consts.update(T=1, NUM_M=1, NUM_N=1, x_st_k=1, w_st_k=1, b_st=1)
+    ptrs = {"x_ptr": "tensordesc<bf16[16, 128]>" if tma else "*bf16",
+            "w_ptr": "tensordesc<bf16[32, 128]>" if tma else "*bf16",
+            "b_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32"}
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        sig[name] = "constexpr" if name in consts else ptrs.get(name, "i32")
+        if name in ("b_ptr", "out_ptr", "part_ptr", "cnt_ptr", "H", "KS", "x_st_m", "w_st_n",
+                    "o_st_m"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=4))
+    return k.asm["ptx"]
+
+
+@pytest.mark.parametrize("tma,ones", CASES)
+def test_splitk_kernel_compiles_for_sm90(tma, ones):
+    pytest.importorskip("triton.backends.nvidia", reason="triton without its CUDA backend")
+    ptx = _compile(tma, ones)
+    assert re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx), "counter atomic not acq_rel.gpu"
+    assert "bar.sync" in ptx or "barrier.sync" in ptx
+    assert re.search(r"atom\.global\.(gpu\.)?(relaxed\.)?(gpu\.)?exch", ptx), "no counter reset"
