@@ -9,7 +9,8 @@ models.linear up to 1024 (decode: M = batch; draft/verify blocks: M = 16 * batch
 (shape, M): cuBLAS, then a grid of ``ProjCfg`` launches, each checked against F.linear on the
 same inputs before it is timed (CUDA-graph replay over copies of the weight totalling >= 256 MB,
 so each call streams its weight from HBM as in a model; a wrong or failing config is listed,
-never chosen). Prints the best few per (shape, M) with their ratio to cuBLAS and to the floor
+never chosen), and exact mode's launch (``models.linear.exact_config``) with and without its
+split. Prints the best few per (shape, M) with their ratio to cuBLAS and to the floor
 (max of bytes / copy bandwidth and FLOPs / GEMM rate, measured in the same run); writes every
 measurement to ``--out`` (JSON) and, with ``--write-table``, the winners to
 ``dflash_ops/models/linear_table.json`` (the table models.linear loads at import; entries of
@@ -82,6 +83,7 @@ def main():
         print("sweep_linear: needs a CUDA GPU", file=sys.stderr)
         return 2
     from dflash_ops.bench.harness import env_info, floor_us, measure_floors, time_fn
+    from dflash_ops.models import linear as L
     from dflash_ops.triton import context as tc
 
     bf16 = torch.bfloat16
@@ -123,22 +125,37 @@ def main():
                                                     f"{str(ex)[:80]}"))
             rows.sort(key=lambda r: r[0])
             best_us, best = rows[0][0], rows[0][1]
+            # exact mode's launch (models.linear.exact_config: one tile and split per shape,
+            # serial or not by M) and the same tile without the split (session 21's)
+            ex = {}
+            for key, cfg in (("exact", L.exact_config(m, n, k, x.device)),
+                             ("exact_nosplit", tc.ProjCfg(*L.EXACT_CFG))):
+                o = torch.empty(m, n, device="cuda", dtype=bf16)
+                tc.launch_proj(x, w, None, o, cfg)
+                torch.cuda.synchronize()
+                err = ((o.float() - want).abs().max() / want.abs().max()).item()
+                ex[key] = (t_us(lambda wi: tc.launch_proj(x, wi, None, o, cfg), ws)
+                           if err <= 2e-2 else float("inf"))
+                ex[key + "_cfg"] = list(cfg)
             print(f"\n{name} M={m} N={n} K={k}: cuBLAS {lin:.1f} us ({lin / fl:.2f}x floor "
                   f"{fl:.1f} us); best triton {best_us:.1f} us ({best_us / lin:.2f}x cuBLAS) "
                   f"[{time.time() - t0:.0f} s]", flush=True)
             for us, cfg, note in rows[:4] + [r for r in rows if r[2]][:3]:
                 print(f"   {us:8.1f} us  {us / lin:5.2f}x cuBLAS  {us / fl:5.2f}x floor  {cfg} "
                       f"{note}", flush=True)
+            ec = ex["exact_cfg"]
+            print(f"   exact: {ex['exact']:.1f} us ({ex['exact'] / lin:.2f}x cuBLAS, "
+                  f"{ex['exact'] / fl:.2f}x floor; split {ec[8]}, "
+                  f"{'serial' if ec[9] else 'a program a slice'}); without the split "
+                  f"{ex['exact_nosplit']:.1f} us", flush=True)
             entries.append(dict(name=name, n=n, k=k, m=m, cublas_us=lin, floor_us=fl,
                                 triton_us=best_us if best_us < float("inf") else None,
-                                cfg=list(best) if best_us < float("inf") else None))
+                                cfg=list(best) if best_us < float("inf") else None, **ex))
     doc = dict(env=env_info(), floors=floors, entries=entries)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(doc, indent=1, default=str))
     print(f"wrote {a.out}")
     if a.write_table:
-        from dflash_ops.models import linear as L
-
         # a Triton entry needs a 2% win (a tie is noise: cuBLAS stays)
         keep = [e for e in entries if e["cfg"] is not None
                 and e["triton_us"] < 0.98 * e["cublas_us"] and e["m"] in L.M_BUCKETS]

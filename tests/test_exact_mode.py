@@ -15,10 +15,13 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import dflash_ops.models.layer as layer_mod
+from dflash_ops import dispatch
 from dflash_ops.models.config import DFlashConfig
 from dflash_ops.models.drafter import DFlashDrafter, random_drafter_state
+from dflash_ops.models import linear as L
 from dflash_ops.models.linear import linear
 from dflash_ops.models.target import Target, TargetConfig, exact_split_keys
 from dflash_ops.speculator import exact_mode, plain_greedy, speculative_generate
@@ -89,6 +92,32 @@ def test_exact_mode_refuses_a_cuda_target_without_exact_gemms():
             pass
 
 
+def test_exact_split_from_the_shape_alone():
+    """K slices: doubled while the N tiles stay under EXACT_MIN_PROGRAMS programs and every
+    slice keeps EXACT_MIN_SLICE_STEPS steps (Qwen3-8B's o_proj, down and qkv stream on 256+
+    programs at one row; the LM head and gate_up have the tiles already)."""
+    got = {name: L.exact_split(n, k) for name, (n, k) in dict(
+        qkv=(6144, 4096), o=(4096, 4096), gate_up=(24576, 4096), down=(4096, 12288),
+        lm_head=(151936, 4096), small_k=(4096, 512), tinier_k=(4096, 256), tiny=(96, 64)).items()}
+    assert got == dict(qkv=8, o=8, gate_up=2, down=8, lm_head=1, small_k=2, tinier_k=1, tiny=1)
+    for n in (1, 100, 4096, 40000):
+        for k in (1, 64, 500, 4096, 12288):
+            s = L.exact_split(n, k)
+            assert 1 <= s <= L.EXACT_MAX_SPLIT and s & (s - 1) == 0
+            assert s == 1 or -(-k // L.EXACT_CFG[2]) >= s * L.EXACT_MIN_SLICE_STEPS
+
+
+def test_exact_serial_by_modelled_time():
+    """A program a slice while the tiles leave SMs idle (one-row decode, 16-row verify), a
+    program a tile once the tiles fill the GPU or the partials cost more than the idle SMs."""
+    o, lm = (4096, 4096), (151936, 4096)
+    for m in (1, 16, 64):
+        assert not L.exact_serial(m, *o, 8, 132)
+    assert L.exact_serial(512, *o, 8, 132)  # 256 tiles: the partials would double the bytes
+    assert all(L.exact_serial(m, *lm, 1, 132) for m in (1, 512))  # one slice: nothing to split
+    assert L.exact_serial(1, *o, 8, 16)  # a small GPU: 32 tiles already fill 16 SMs
+
+
 def test_linear_exact_is_the_torch_path_off_cuda():
     x, w = torch.randn(5, 32), torch.randn(48, 32)
     assert torch.equal(linear(x, w, exact=True), linear(x, w))
@@ -104,16 +133,30 @@ def test_exact_loop_equals_exact_plain_greedy_cpu(steps):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n, k", [(96, 64), (1000, 320), (4096, 1024)])
+@pytest.mark.parametrize("n, k", [(96, 64), (1000, 320), (4096, 1024), (4096, 12288)])
 def test_linear_exact_rows_do_not_depend_on_m_gpu(n, k):
+    """Every row equal bit for bit whatever the rows sharing the call; where the shape splits
+    K, the calls cover both launches (a program a slice at few rows, a program a tile at 300),
+    and a graph replay gives the eager bits (the tile counters back at zero)."""
     torch.manual_seed(0)
     x = torch.randn(300, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-    full = linear(x, w, exact=True)
-    torch.testing.assert_close(full.float(), (x.float() @ w.float().t()), atol=0.05, rtol=0.02)
-    for m in (1, 7, 16, 64, 65, 299):
-        assert torch.equal(linear(x[:m], w, exact=True), full[:m]), m
-    assert torch.equal(linear(x[130:131], w, exact=True), full[130:131])
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    full = linear(x, w, b, exact=True)
+    torch.testing.assert_close(full.float(), F.linear(x.float(), w.float(), b.float()),
+                               atol=0.05, rtol=0.02)
+    ms = (1, 7, 16, 64, 65, 299)
+    for m in ms:
+        assert torch.equal(linear(x[:m], w, b, exact=True), full[:m]), m
+    assert torch.equal(linear(x[130:131], w, b, exact=True), full[130:131])
+    serial = {L.exact_config(m, n, k, x.device).serial for m in ms + (300,)}
+    if L.exact_split(n, k) > 1:
+        assert serial == {False, True}, "one launch kind only: the test shape proves nothing"
+    xs = x[:16].clone()
+    g, got = dispatch.capture_graph(lambda: linear(xs, w, b, exact=True))
+    for _ in range(2):
+        g.replay()
+        assert torch.equal(got, full[:16])
 
 
 @pytest.mark.gpu

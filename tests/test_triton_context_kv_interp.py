@@ -213,10 +213,27 @@ def check_kv_proj_split(device):
     cfgs = [tc.ProjCfg(16, 32, 32, 8, 4, 2, True, False, 2),
             tc.ProjCfg(16, 16, 32, 2, 4, 2, False, False, 3),
             tc.ProjCfg(32, 64, 16, 4, 4, 3, True, False, 5)]
-    check_kv_proj(device, (torch.float16, torch.float32),
-                  shapes=((7, 128, 96), (40, 64, 200), (3, 36, 48)), cfgs=cfgs)
+    serial = [c._replace(serial=True) for c in cfgs] + [
+        tc.ProjCfg(16, 32, 32, 8, 4, 2, False, False, 1, True)]
+    shapes = ((7, 128, 96), (40, 64, 200), (3, 36, 48))
+    check_kv_proj(device, (torch.float16, torch.float32), shapes=shapes, cfgs=cfgs + serial)
     for buf in tc._COUNTERS.values():
         assert int(buf.abs().sum()) == 0, "split-K counters not reset"
+    # serial (a program a tile walks its slices) gives the parallel launch's bits: exact mode
+    # picks either by M, so a row's result must not depend on the pick
+    gen = torch.Generator().manual_seed(5)
+    for dtype in (torch.float16, torch.float32):
+        for t, h, n in shapes:
+            x = torch.randn(t, h, generator=gen).to(dtype).to(device)
+            w = (torch.randn(n, h, generator=gen) * h ** -0.5).to(dtype).to(device)
+            b = torch.randn(n, generator=gen).to(dtype).to(device)
+            for cfg in cfgs:
+                outs = []
+                for ser in (False, True):
+                    out = torch.full((t, n), float("nan"), dtype=dtype, device=device)
+                    tc.launch_proj(x, w, b, out, cfg._replace(serial=ser))
+                    outs.append(out)
+                assert torch.equal(outs[0], outs[1]), (dtype, t, h, n, cfg)
     # a larger call grows the counters; the old buffer stays alive (graphs keep its address)
     old = tc._tile_counters(torch.device(device), 1)
     tc._tile_counters(torch.device(device), old.numel() + 1)

@@ -2,7 +2,10 @@
 machine (no GPU), with the arguments the JIT specialises at decode shapes (T = 1, one M tile,
 one N tile, unit strides: ints equal to 1 become constexprs, which the interpreter never
 does: ``NUM_M.to(...)`` compiled in the interpreter and failed here), through TMA descriptors
-and through pointers; the tile counter's atomic is acq_rel at GPU scope after a barrier."""
+and through pointers; the tile counter's atomic is acq_rel at GPU scope after a barrier. The
+serial launch (exact mode at many tiles) compiles too, with no atomics, its slice sum a
+separate add after each slice's dot chain (not folded into the dots' accumulator, which
+would change the bits against the parallel launch), and its loads pipelined."""
 from __future__ import annotations
 
 import re
@@ -13,15 +16,15 @@ import pytest
 CASES = [(True, False), (True, True), (False, False), (False, True)]
 
 
-def _compile(tma: bool, ones: bool) -> str:
+def _compile(tma: bool, ones: bool, serial: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from dflash_ops.triton import context as tc
     fn = tc._proj_splitk_kernel
-    consts = dict(SPLIT=4, TMA=tma, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128,
-                  GROUP_M=8)
+    consts = dict(SPLIT=4, SERIAL=serial, TMA=tma, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=32,
+                  BLOCK_K=128, GROUP_M=8)
     if ones:
         consts.update(T=1, NUM_M=1, NUM_N=1, x_st_k=1, w_st_k=1, b_st=1)
     ptrs = {"x_ptr": "tensordesc<bf16[16, 128]>" if tma else "*bf16",
@@ -30,18 +33,33 @@ def _compile(tma: bool, ones: bool) -> str:
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         sig[name] = "constexpr" if name in consts else ptrs.get(name, "i32")
-        if name in ("b_ptr", "out_ptr", "part_ptr", "cnt_ptr", "H", "KS", "x_st_m", "w_st_n",
-                    "o_st_m"):
+        aligned = ("b_ptr", "out_ptr", "part_ptr", "cnt_ptr", "H", "KS", "x_st_m", "w_st_n",
+                   "o_st_m") + (() if tma else ("x_ptr", "w_ptr"))  # JIT: 16-byte aligned
+        if name in aligned:
             attrs[(i,)] = [["tt.divisibility", 16]]
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=4))
-    return k.asm["ptx"]
+    return k
 
 
 @pytest.mark.parametrize("tma,ones", CASES)
 def test_splitk_kernel_compiles_for_sm90(tma, ones):
     pytest.importorskip("triton.backends.nvidia", reason="triton without its CUDA backend")
-    ptx = _compile(tma, ones)
+    ptx = _compile(tma, ones).asm["ptx"]
     assert re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx), "counter atomic not acq_rel.gpu"
     assert "bar.sync" in ptx or "barrier.sync" in ptx
     assert re.search(r"atom\.global\.(gpu\.)?(relaxed\.)?(gpu\.)?exch", ptx), "no counter reset"
+
+
+@pytest.mark.parametrize("tma", [True, False])
+def test_serial_splitk_compiles_for_sm90(tma):
+    pytest.importorskip("triton.backends.nvidia", reason="triton without its CUDA backend")
+    k = _compile(tma, True, serial=True)
+    ptx, ttgir = k.asm["ptx"], k.asm["ttgir"]
+    assert "atom." not in ptx, "the serial launch touches the counters"
+    # the slice loop carries the fp32 total; a dot-chain result is added to it once a slice
+    loops = re.findall(r"%(\w+) = scf\.for ", ttgir)
+    assert "total" in loops, loops
+    assert re.search(r"%total\w* = arith\.addf %total\w*, ", ttgir), "slice sum not a plain add"
+    if not tma:  # cp.async ring (the pointer path's pipelining)
+        assert "async_copy_global_to_local" in ttgir

@@ -8,10 +8,13 @@ included) it is ``F.linear``. The table is the sibling of the op table (``dispat
 default=..., eager=...)``) and follows its rule: it holds kernel times under CUDA-graph replay,
 and an eager Triton launch costs more host time (tens of microseconds) than these GEMMs take.
 
-``linear(..., exact=True)`` (exact mode, CUDA bf16 / fp16) runs the Triton GEMM with one
-config for every M (``EXACT_CFG``: no split over K, each output's K loop in one order), eager or
-captured, so a row's result does not depend on how many rows share the call (cuBLAS picks its
-algorithm, split-K included, by M).
+``linear(..., exact=True)`` (exact mode, CUDA bf16 / fp16) runs the Triton split-K GEMM with
+one tile and one split of K per (N, K) for every M (``exact_config``), eager or captured, so a
+row's result does not depend on how many rows share the call (cuBLAS picks its algorithm,
+split-K included, by M): every output is the same fp32 sum of the same slice partials in slice
+order. Only where the slices run changes with M: a program a slice while the tiles are too few
+to fill the GPU (a one-row decode streams the weight on every SM), a program a tile summing
+its slices in turn otherwise (no partials through memory).
 
 ``TABLE`` comes from ``linear_table.json`` next to this file, written by
 ``benchmarks/sweep_linear.py --write-table`` from measurements on the H200 (each entry: the
@@ -34,9 +37,14 @@ from .. import dispatch, triton
 TABLE_PATH = Path(__file__).with_name("linear_table.json")
 M_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
-# exact mode's one config (bm, bn, bk, gm, warps, stages, tma, persistent): a 64-row tile, no
-# TMA (any strides and alignments), not persistent; not yet measured (issue 19)
+# exact mode's one tile (bm, bn, bk, gm, warps, stages, tma, persistent): 64 rows (the wgmma
+# M at every call), no TMA (any strides and alignments), not persistent; session 21 measured it
+# without a split (+107% on the iteration at 1 x 1k: 32-48 programs stream o_proj, down and
+# qkv at one row); the split (exact_split) is not yet measured (issue 19)
 EXACT_CFG = (64, 128, 64, 8, 4, 3, False, False)
+EXACT_MAX_SPLIT = 8
+EXACT_MIN_PROGRAMS = 256  # ~2 a SM on the H200's 132
+EXACT_MIN_SLICE_STEPS = 4  # BLOCK_K steps a slice at least
 
 # (N, K) -> {m_bucket: ProjCfg fields (bm, bn, bk, gm, warps, stages, tma, persistent[, split])}
 # (split > 1: the split-K kernel: K in slices, the tile's last program sums the fp32 partials)
@@ -108,12 +116,50 @@ def choice(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
     return cfg if cfg is not None and table_applies(device) else None
 
 
-def exact_choice(dtype: torch.dtype, device: torch.device) -> Optional[tuple]:
-    """Exact mode's Triton config where it runs (CUDA, bf16 / fp16, triton), else None (the
-    torch path: on CPU, and fp32)."""
-    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or not triton.AVAILABLE:
-        return None
-    return EXACT_CFG
+def exact_runs(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether exact mode's Triton GEMM runs here (CUDA, bf16 / fp16, triton); elsewhere
+    ``linear(..., exact=True)`` is the torch path (on CPU, and fp32)."""
+    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and triton.AVAILABLE
+
+
+def exact_split(n: int, k: int) -> int:
+    """K slices of exact mode's GEMM for w [n, k]: from the shape alone (never M), doubled
+    while the N tiles times the slices stay under EXACT_MIN_PROGRAMS and each slice keeps
+    EXACT_MIN_SLICE_STEPS BLOCK_K steps (Qwen3-8B: o_proj and down 8, qkv 8, gate_up 2,
+    the LM head 1)."""
+    bn, bk = EXACT_CFG[1], EXACT_CFG[2]
+    tiles_n, steps = -(-n // bn), -(-k // bk)
+    split = 1
+    while (split < EXACT_MAX_SPLIT and tiles_n * split < EXACT_MIN_PROGRAMS
+           and steps >= 2 * split * EXACT_MIN_SLICE_STEPS):
+        split *= 2
+    return split
+
+
+def exact_serial(m: int, n: int, k: int, split: int, sms: int) -> bool:
+    """Whether exact mode sums a tile's slices in one program (True) or runs a program a slice
+    (False): the one with the smaller modelled time, bytes over the fraction of the ``sms``
+    SMs its programs fill (a program a slice also writes and reads the fp32 partials). The
+    two give the same bits; this only picks the faster."""
+    bm, bn = EXACT_CFG[0], EXACT_CFG[1]
+    tiles = -(-m // bm) * -(-n // bn)
+    if split == 1:
+        return True
+    weight = 2.0 * n * k
+    partials = 8.0 * split * m * n  # fp32, written and read, rows past m skipped
+    serial = weight / min(1.0, tiles / sms)
+    parallel = (weight + partials) / min(1.0, tiles * split / sms)
+    return serial <= parallel
+
+
+def exact_config(m: int, n: int, k: int, device: torch.device):
+    """Exact mode's launch for x [m, k] @ w [n, k]^T on ``device`` (a ProjCfg): EXACT_CFG's
+    tile, exact_split(n, k) slices, serial or not by exact_serial."""
+    from ..triton.context import ProjCfg, sm_count  # here: triton may be absent off CUDA
+
+    split = exact_split(n, k)
+    sms = sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return ProjCfg(*EXACT_CFG, split=split, serial=exact_serial(m, n, k, split, sms))
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None,
@@ -127,14 +173,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None,
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] and x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if not x2.shape[0]:
-        cfg = None
-    elif exact:
-        cfg = exact_choice(x.dtype, x.device)
-    else:
-        cfg = choice(x2.shape[0], w.shape[0], w.shape[1], x.dtype, x.device)
-    if cfg is None or w.dtype != x.dtype or (b is not None and b.dtype != x.dtype):
-        return F.linear(x2, w, b).view(*lead, w.shape[0])
+    m, (n, k) = x2.shape[0], w.shape
+    cfg = None
+    if m and w.dtype == x.dtype and (b is None or b.dtype == x.dtype):
+        if exact:
+            cfg = exact_config(m, n, k, x.device) if exact_runs(x.dtype, x.device) else None
+        else:
+            cfg = choice(m, n, k, x.dtype, x.device)
+    if cfg is None:
+        return F.linear(x2, w, b).view(*lead, n)
     from ..triton.context import ProjCfg, kv_proj  # here: triton may be absent off CUDA
 
-    return kv_proj(x2, w, b, cfg=ProjCfg(*cfg)).view(*lead, w.shape[0])
+    return kv_proj(x2, w, b, cfg=ProjCfg(*cfg)).view(*lead, n)

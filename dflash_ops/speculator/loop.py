@@ -32,7 +32,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from .. import dispatch, triton
-from ..models.linear import exact_choice
+from ..models.linear import exact_runs
 from .draft_step import DraftStep
 from .policy import Policy, PolicyMemory
 from .step import DecodeIteration, Iteration, Sampling, State, Stats, check_pair, sync_device
@@ -101,7 +101,7 @@ def exact_mode(target, exact: Optional[bool] = True):
     the CPU it changes nothing that matters (torch paths; not guaranteed bit-identical)."""
     old = getattr(target, "exact", False)
     on = bool(old if exact is None else exact) and target.device.type == "cuda"
-    if on and exact_choice(target.dtype, target.device) is None:
+    if on and not exact_runs(target.dtype, target.device):
         raise ValueError(f"exact mode on CUDA needs a bf16 / fp16 target and triton (its "
                          f"GEMMs), got {str(target.dtype).replace('torch.', '')}"
                          f"{'' if triton.AVAILABLE else ', triton missing'}")

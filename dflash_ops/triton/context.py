@@ -138,24 +138,12 @@ def _kv_proj_kernel(x_ptr, w_ptr, b_ptr, out_ptr, T, N, H, x_st_m, x_st_k, w_st_
 
 
 @triton.jit
-def _proj_splitk_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, T, N, H, KS, x_st_m,
-                        x_st_k, w_st_n, w_st_k, b_st, o_st_m, NUM_M, NUM_N,
-                        SPLIT: tl.constexpr, TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr):
-    # Program (tile, s) computes the tile's fp32 partial over K in [s * KS, (s + 1) * KS) (KS a
-    # multiple of BLOCK_K) into part[s]; the tile's last program to finish (a counter a tile,
-    # acq_rel at GPU scope after a block barrier, the order CUTLASS's split-K semaphore uses)
-    # sums the SPLIT partials in slice order, adds the bias, rounds once to out and sets the
-    # counter back to 0, so the next call (or graph replay) finds it zeroed.
-    tile = tl.program_id(0)
-    s = tl.program_id(1)
-    pid_m, pid_n = _tile_ids(tile, NUM_M, NUM_N, GROUP_M)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+def _slice_acc(x_ptr, w_ptr, rows, cols, m0, n0, k_lo, k_hi, T, N, x_st_m, x_st_k, w_st_n,
+               w_st_k, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    # x[rows, k_lo:k_hi] @ w[cols, k_lo:k_hi]^T in fp32, from zero, in BLOCK_K steps from k_lo
+    # (k_lo a multiple of BLOCK_K); loads as in _gemm_tile (TMA reads past H as zeros)
     k = tl.arange(0, BLOCK_K)
-    k_lo = s * KS
-    k_hi = tl.minimum(k_lo + KS, H)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if not TMA:
         r = tl.where(rows < T, rows, 0).to(tl.int64)
@@ -163,9 +151,9 @@ def _proj_splitk_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, T, N, H
         a_ptrs = x_ptr + r[:, None] * x_st_m + (k_lo + k)[None, :].to(tl.int64) * x_st_k
         b_ptrs = w_ptr + c[:, None] * w_st_n + (k_lo + k)[None, :].to(tl.int64) * w_st_k
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        if TMA:  # reads past H are zeros
-            a = x_ptr.load([pid_m * BLOCK_M, k0])
-            b = w_ptr.load([pid_n * BLOCK_N, k0])
+        if TMA:
+            a = x_ptr.load([m0, k0])
+            b = w_ptr.load([n0, k0])
         else:
             kmask = (k0 + k) < k_hi
             a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
@@ -176,26 +164,68 @@ def _proj_splitk_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, T, N, H
             acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, tl.trans(b), acc)
-    # partials: [SPLIT, NUM_M * BLOCK_M, NUM_N * BLOCK_N] fp32 (64-bit offsets); rows past T
-    # neither written nor read (at M 1 a 16-row tile would move 16x the partial bytes)
-    pn = NUM_N * BLOCK_N
-    sl = tl.cast(NUM_M, tl.int64) * BLOCK_M * pn  # NUM_M may be the JIT's constexpr 1
-    poff = rows.to(tl.int64)[:, None] * pn + cols[None, :]
-    pmask = (rows < T)[:, None] & (cols >= 0)[None, :]
-    tl.store(part_ptr + s * sl + poff, acc, mask=pmask)
-    tl.debug_barrier()
-    done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    if done == SPLIT - 1:
+    return acc
+
+
+@triton.jit
+def _split_store(total, b_ptr, out_ptr, rows, cols, T, N, b_st, o_st_m, HAS_BIAS: tl.constexpr):
+    # the tile's sum of slices (+ bias) rounded once to out
+    mask = (rows < T)[:, None] & (cols < N)[None, :]
+    if HAS_BIAS:
+        total += tl.load(b_ptr + cols * b_st, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    off = rows.to(tl.int64)[:, None] * o_st_m + cols[None, :]
+    tl.store(out_ptr + off, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _proj_splitk_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, T, N, H, KS, x_st_m,
+                        x_st_k, w_st_n, w_st_k, b_st, o_st_m, NUM_M, NUM_N,
+                        SPLIT: tl.constexpr, SERIAL: tl.constexpr, TMA: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    # K in SPLIT slices [s * KS, (s + 1) * KS) (KS a multiple of BLOCK_K); the tile's result is
+    # ((0 + partial_0) + partial_1) + ... in fp32, each partial a chain of dots from zero.
+    # Parallel (grid (tiles, SPLIT)): program (tile, s) stores partial_s in part[s]; the tile's
+    # last program to finish (a counter a tile, acq_rel at GPU scope after a block barrier, the
+    # order CUTLASS's split-K semaphore uses) sums them in slice order, adds the bias, rounds
+    # once to out and sets the counter back to 0, so the next call (or graph replay) finds it
+    # zeroed. SERIAL (grid (tiles,)): a program computes its tile's slices in turn, the same
+    # operations in the same order: the same bits as the parallel launch (exact mode picks
+    # either by the tile count; a row's result never depends on which).
+    tile = tl.program_id(0)
+    pid_m, pid_n = _tile_ids(tile, NUM_M, NUM_N, GROUP_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SERIAL:
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for s2 in range(SPLIT):
-            total += tl.load(part_ptr + s2 * sl + poff, mask=pmask, other=0.0,
-                             cache_modifier=".cg")
-        mask = (rows < T)[:, None] & (cols < N)[None, :]
-        if HAS_BIAS:
-            total += tl.load(b_ptr + cols * b_st, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        off = rows.to(tl.int64)[:, None] * o_st_m + cols[None, :]
-        tl.store(out_ptr + off, total.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+        for s in range(SPLIT):
+            k_lo = s * KS
+            total += _slice_acc(x_ptr, w_ptr, rows, cols, pid_m * BLOCK_M, pid_n * BLOCK_N,
+                                k_lo, tl.minimum(k_lo + KS, H), T, N, x_st_m, x_st_k, w_st_n,
+                                w_st_k, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
+        _split_store(total, b_ptr, out_ptr, rows, cols, T, N, b_st, o_st_m, HAS_BIAS)
+    else:
+        s = tl.program_id(1)
+        k_lo = s * KS
+        acc = _slice_acc(x_ptr, w_ptr, rows, cols, pid_m * BLOCK_M, pid_n * BLOCK_N, k_lo,
+                         tl.minimum(k_lo + KS, H), T, N, x_st_m, x_st_k, w_st_n, w_st_k, TMA,
+                         BLOCK_M, BLOCK_N, BLOCK_K)
+        # partials: [SPLIT, NUM_M * BLOCK_M, NUM_N * BLOCK_N] fp32 (64-bit offsets); rows past
+        # T neither written nor read (at M 1 a 16-row tile would move 16x the partial bytes)
+        pn = NUM_N * BLOCK_N
+        sl = tl.cast(NUM_M, tl.int64) * BLOCK_M * pn  # NUM_M may be the JIT's constexpr 1
+        poff = rows.to(tl.int64)[:, None] * pn + cols[None, :]
+        pmask = (rows < T)[:, None] & (cols >= 0)[None, :]
+        tl.store(part_ptr + s * sl + poff, acc, mask=pmask)
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s2 in range(SPLIT):
+                total += tl.load(part_ptr + s2 * sl + poff, mask=pmask, other=0.0,
+                                 cache_modifier=".cg")
+            _split_store(total, b_ptr, out_ptr, rows, cols, T, N, b_st, o_st_m, HAS_BIAS)
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -303,8 +333,10 @@ def _context_kv_kernel(x_ptr, w_ptr, b_ptr, kw_ptr, pos_ptr, cs_ptr, slot_ptr, k
 # ------------------------------------------------------------------------------------ configs
 class ProjCfg(NamedTuple):
     """A kv_proj launch: tile sizes, GROUP_M (grouped tile order), warps, pipeline stages,
-    whether x and w are read through TMA tensor descriptors, persistent programs, and the
-    number of K slices (split > 1: the split-K kernel, not persistent)."""
+    whether x and w are read through TMA tensor descriptors, persistent programs, the number
+    of K slices (split > 1: the split-K kernel, not persistent; a program a slice) and serial
+    (the split-K kernel with a program a tile summing its slices itself: the same bits as the
+    parallel launch, for exact mode)."""
     bm: int
     bn: int
     bk: int
@@ -314,6 +346,7 @@ class ProjCfg(NamedTuple):
     tma: bool = True
     persistent: bool = False
     split: int = 1
+    serial: bool = False
 
 
 class CtxCfg(NamedTuple):
@@ -395,12 +428,12 @@ def _grid(tiles: int, persistent: bool, device: torch.device) -> int:
     """One program per tile, or (persistent) at most one per SM walking the tiles."""
     if not persistent:
         return tiles
-    sms = 3 if device.type != "cuda" else _sm_count(device.index or 0)  # interpreter: a few
+    sms = 3 if device.type != "cuda" else sm_count(device.index or 0)  # interpreter: a few
     return max(1, min(tiles, sms))
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
+def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
@@ -442,16 +475,20 @@ def launch_proj(x, w_kv, bias, out, cfg: ProjCfg) -> None:
     num_m, num_n = triton.cdiv(t, cfg.bm), triton.cdiv(n, cfg.bn)
     xo, wo = _operands(x, w_kv, cfg.bm, cfg.bn, cfg.bk, tma)
     b = bias if bias is not None else out
-    if cfg.split > 1:
+    if cfg.split > 1 or cfg.serial:
         # K slices of whole BLOCK_K steps; trailing slices may be empty (they add zeros)
         ks = triton.cdiv(triton.cdiv(h, cfg.split), cfg.bk) * cfg.bk
-        part = torch.empty((cfg.split, num_m * cfg.bm, num_n * cfg.bn), dtype=torch.float32,
-                           device=x.device)
-        cnt = _tile_counters(x.device, num_m * num_n)
-        _proj_splitk_kernel[(num_m * num_n, cfg.split)](
+        if cfg.serial:
+            part = cnt = out  # not read
+        else:
+            part = torch.empty((cfg.split, num_m * cfg.bm, num_n * cfg.bn),
+                               dtype=torch.float32, device=x.device)
+            cnt = _tile_counters(x.device, num_m * num_n)
+        _proj_splitk_kernel[(num_m * num_n,) if cfg.serial else (num_m * num_n, cfg.split)](
             xo, wo, b, out, part, cnt, t, n, h, ks, x.stride(0), x.stride(1), w_kv.stride(0),
             w_kv.stride(1), bias.stride(0) if bias is not None else 0, out.stride(0), num_m,
-            num_n, SPLIT=cfg.split, TMA=tma, HAS_BIAS=bias is not None, BLOCK_M=cfg.bm,
+            num_n, SPLIT=cfg.split, SERIAL=cfg.serial, TMA=tma, HAS_BIAS=bias is not None,
+            BLOCK_M=cfg.bm,
             BLOCK_N=cfg.bn, BLOCK_K=cfg.bk, GROUP_M=cfg.gm, num_warps=cfg.warps,
             num_stages=cfg.stages)
         return
