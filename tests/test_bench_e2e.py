@@ -206,7 +206,8 @@ def test_report_tables(tmp_path):
     res = rep.E2EResults("e2e-test", floors={"copy_GBps": 4000.0, "gemm_TFLOPs": 700.0})
     m = {"batch": 1, "context": 64, "draft": _fake(10.0), "verify": _fake(30.0),
          "iteration": _fake(41.0), "decode": _fake(25.0),
-         "loop": {"wall_us": 50.0, "graphs_us": 40.0, "idle_us": 10.0, "iters": 20}}
+         "loop": {"wall_us": 50.0, "graphs_us": 40.0, "idle_us": 10.0, "iters": 20},
+         "loop staged": {"wall_us": 60.0, "graphs_us": 40.0, "idle_us": 20.0, "iters": 20}}
     entries = [{"batch": 1, "context": 64, "mem": 1e9, "m": m, "note": ""},
                {"batch": 9, "context": 64, "mem": 2e11, "m": None, "note": "skipped: too big"}]
     loops = [{"batch": 1, "new": 32, "note": "",
@@ -221,7 +222,9 @@ def test_report_tables(tmp_path):
     assert set(steps) == {"draft", "verify", "draft+verify", "decode"}
     assert steps["draft+verify"]["floor us"] == pytest.approx(
         steps["draft"]["floor us"] + steps["verify"]["floor us"])
-    assert tabs[rep.HOST][0]["GPU idle ms/iter"] == pytest.approx(0.01)
+    host = {r["loop"]: r for r in tabs[rep.HOST]}
+    assert host["one graph"]["GPU idle ms/iter"] == pytest.approx(0.01)
+    assert host["staged"]["GPU idle ms/iter"] == pytest.approx(0.02)
     text = res.format()
     assert "B=9 S=64" in text and "speedup @16" in text
     paths = res.write(tmp_path)
@@ -282,7 +285,7 @@ def test_script_needs_cuda(tmp_path):
 def test_host_loop_is_the_loops_iteration(monkeypatch):
     """host_loop runs speculative_generate's iteration (speculator.step.Iteration) on the steps:
     on the CPU with static (uncaptured) steps, one Iteration call an iteration, each at the
-    context (the starts are reset after every iteration)."""
+    context (the starts are reset after every iteration); as one step, or staged."""
     from dflash_ops.models.drafter import DFlashDrafter, random_drafter_state
     from dflash_ops.models.target import Target
     from dflash_ops.speculator.draft_step import DraftStep
@@ -309,10 +312,16 @@ def test_host_loop_is_the_loops_iteration(monkeypatch):
         starts.append(state.start.tolist()), real(self, state, rows))[1])
     pending = (torch.randn(batch * b, dcfg.n_taps * dcfg.target_hidden_size), torch.arange(batch),
                (context - b + torch.arange(b)).repeat(batch, 1))
-    with torch.no_grad():
-        wall = e2e.host_loop(target, drafter, dstep, vstep, batch, context, pending,
-                             stop_id=tcfg.vocab_size - 1, iters=2, warmup=1)
-    assert wall > 0 and starts == [[context] * batch] * 3
+    ones, real_one = [], Iteration._one_step
+    monkeypatch.setattr(Iteration, "_one_step", lambda self, state, bucket: (
+        ones.append(bucket), real_one(self, state, bucket))[1])
+    for one in (True, False):  # the iteration as one step, then staged
+        starts.clear(), ones.clear()
+        with torch.no_grad():
+            wall = e2e.host_loop(target, drafter, dstep, vstep, batch, context, pending,
+                                 stop_id=tcfg.vocab_size - 1, iters=2, warmup=1, one=one)
+        assert wall > 0 and starts == [[context] * batch] * 3
+        assert ones == ([batch] * 3 if one else [])
 
 
 def test_registered_suite():

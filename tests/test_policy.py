@@ -487,3 +487,54 @@ def test_probes_are_priced_by_the_slowest_request():
     one.acc[0] = [0.2, 1.0]
     r1 = one.rates([0], 8, 1024)
     assert one.probe_interval(r1, 8, 1024, [0]) == one.probe_interval(r1, 8, 1024)  # batch 1
+
+
+@pytest.mark.parametrize("steps,device", [
+    ("static", "cpu"), pytest.param("graphs", "cuda", marks=pytest.mark.gpu)])
+def test_drafting_iteration_as_one_step(steps, device, monkeypatch):
+    """Greedy static steps, untimed: a drafting iteration is one step (graphed: one graph a
+    bucket) of prepare, draft, prepare, verify, commit, context and flags, read once. With
+    stop tokens the requests end at different iterations, so the active set and its bucket
+    shrink (padded rows must commit nothing and add no context; DFLASH_OPS_DEBUG=1 passes
+    their -1 rows). Over 150 new tokens the drafter's context must stay current (late drafts
+    copy tokens the loop committed: whole blocks accepted on the counter pair), and the
+    staged iteration (the steps' own loads, the pending context rows) gives the same tokens
+    and the same acceptance."""
+    from dflash_ops.speculator.step import Iteration
+
+    target, drafter = _pair(device=device)
+    prompts = counter_prompts(3, vocab=SMALL["vocab"], lengths=(70, 75, 81), seed=1)
+    free = plain_greedy(target, prompts, 80)
+    stop = [free[0][20], free[2][44]]
+    want = plain_greedy(target, prompts, 80, stop_token_ids=stop)
+    assert len({len(w) for w in want}) == 3, want  # they end at different iterations
+    buckets = []
+    one_step = Iteration._one_step
+    monkeypatch.setattr(Iteration, "_one_step",
+                        lambda self, state, bucket: (buckets.append(bucket),
+                                                     one_step(self, state, bucket))[1])
+    monkeypatch.setenv("DFLASH_OPS_DEBUG", "1")
+    got, st = speculative_generate(target, drafter, prompts, 80, stop, steps=steps,
+                                   policy=False, time_stages=False)
+    monkeypatch.setenv("DFLASH_OPS_DEBUG", "0")
+    assert got == want
+    assert set(buckets) == {3, 2, 1}, buckets  # 3 requests (bucket: at most the batch), 2, 1
+    assert st.host_syncs == st.iterations + 1 + (3 if steps == "graphs" else 0)  # + captures
+
+    want = plain_greedy(target, prompts, 150)
+    got, st = speculative_generate(target, drafter, prompts, 150, steps=steps, policy=False,
+                                   time_stages=False)
+    assert got == want
+    assert st.drafted > 0 and sum(a - 1 for a in st.acceptance) >= 0.9 * st.drafted, st
+    init = Iteration.__init__
+
+    def staged(self, *a, **kw):
+        init(self, *a, **kw)
+        self.one = False
+
+    monkeypatch.setattr(Iteration, "__init__", staged)
+    buckets.clear()
+    got2, st2 = speculative_generate(target, drafter, prompts, 150, steps=steps, policy=False,
+                                     time_stages=False)
+    assert not buckets and got2 == want
+    assert st2.acceptance == st.acceptance and st2.iterations == st.iterations

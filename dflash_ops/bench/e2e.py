@@ -37,14 +37,16 @@ replayed >= 10 times and for ~300 ms, ``--quick`` >= 5 times and ~100 ms):
 * ``draft+verify``: the two replays back to back: the time of one iteration on the GPU.
 * ``decode``: ``Target.forward`` of one token a request at position S, captured in a graph.
 * host loop: ``speculative_generate``'s own iteration (``speculator.step.Iteration``) for
-  steps="graphs", greedy, time_stages=False, on the captured steps (``load_next`` of the draft
-  inputs: one copy + one ``prepare_step_``, replay, ``load_next`` of the verify block: one
-  ``prepare_step_``, replay the verify, ``greedy_commit`` (match + commit + state + next
-  context rows in one kernel), one ``.tolist()`` of the done flags and counts: its one host
-  sync), repeated, timed with the host clock to the last sync; the starts are put back to S
-  after each iteration (one extra small kernel; the real loop lets them advance). GPU idle per
-  iteration = wall time per iteration - (draft + verify graph times): the time the GPU is not
-  running the two graphs (host gaps and the loop's small eager kernels).
+  steps="graphs", greedy, time_stages=False: the whole iteration in one graph (prepare,
+  draft, prepare, verify, ``greedy_commit``, the committed rows' context, the flags) and one
+  ``.tolist()`` of the done flags and counts (its one host sync); and, as "staged", the
+  iteration before that graph, on the two captured steps (``load_next`` of the draft inputs:
+  one copy + one ``prepare_step_``, replay, ``load_next`` of the verify block: one
+  ``prepare_step_``, replay the verify, ``greedy_commit``, the read); each repeated, timed
+  with the host clock to the last sync; the starts are put back to S after each iteration
+  (one extra small kernel; the real loop lets them advance). GPU idle per iteration = wall
+  time per iteration - (draft + verify graph times): the time the GPU is not running the two
+  steps (host gaps and the loop's small kernels).
 * once per batch size, ``speculative_generate(steps="graphs", time_stages=False)`` itself on
   random prompts of 32 tokens, 32 new tokens (random weights: ~1 token an iteration), for its
   ``Stats``: host syncs (1 for the first token + 1 per graph capture + 1 per iteration), iterations,
@@ -244,13 +246,15 @@ def time_replays(fn, rep_ms: float, min_reps: int = 10, max_reps: int = 200) -> 
 
 
 def host_loop(target, drafter, dstep, vstep, batch: int, context: int, pending: tuple,
-              stop_id: int, iters: int, warmup: int = 3) -> float:
+              stop_id: int, iters: int, warmup: int = 3, one: bool = True) -> float:
     """Seconds of host wall time per iteration of speculative_generate's own iteration
-    (``speculator.step.Iteration``: greedy, time_stages=False, so one host read an iteration)
-    on the steps as they are (captured: their graphs replay). ``pending``: the first draft
-    step's context rows (taps [R * B], requests [R], positions [R, B]). One addition: the
-    starts are reset to ``context`` after each iteration (one small kernel), so the caches need
-    no room to grow."""
+    (``speculator.step.Iteration``: greedy, time_stages=False, so one host read an iteration).
+    ``one``: as the loop runs it with steps="graphs", the whole iteration one graph (captured
+    in the warm-up); else staged: the steps as they are (captured: their graphs replay) with
+    the loads, the commit and the context rows apart. ``pending``: the first draft step's
+    context rows (taps [R * B], requests [R], positions [R, B]). One addition: the starts are
+    reset to ``context`` after each iteration (one small kernel), so the caches need no room
+    to grow."""
     from ..speculator.step import Iteration, State, sync_device
 
     dev = target.device
@@ -261,7 +265,9 @@ def host_loop(target, drafter, dstep, vstep, batch: int, context: int, pending: 
                   n_out=torch.zeros(batch, **long), last=torch.zeros(batch, **long),
                   start=torch.full((batch,), context, **long),
                   stop=torch.tensor([stop_id], **long), max_new=1 << 30, pending=pending)
-    step = Iteration(target, drafter, vstep.b, steps=(dstep, vstep))
+    step = Iteration(target, drafter, vstep.b, steps=(dstep, vstep),
+                     graphs=one and torch.device(dev).type == "cuda")
+    step.one = step.one and one  # staged: the iteration as it ran before the one graph
     t0 = 0.0
     for it in range(warmup + iters):
         if it == warmup:
@@ -341,14 +347,15 @@ def measure_case(target, drafter, batch: int, context: int, *, rep_ms: float,
         out["decode exact"] = time_replays(xgraph.replay, **timing)
     graphs_us = out["draft"]["us"] + out["verify"]["us"]
     iters = max(min_reps, min(100, int(loop_ms * 1e3 / max(graphs_us, 1.0))))
-    try:
-        wall = host_loop(target, drafter, dstep, vstep, batch, context,
-                         (taps, ra, ctx_pos.view(batch, b)), stop_id=target.cfg.vocab_size - 1,
-                         iters=iters)
-        out["loop"] = {"wall_us": wall * 1e6, "graphs_us": graphs_us,
-                       "idle_us": wall * 1e6 - graphs_us, "iters": iters}
-    except Exception as e:  # noqa: BLE001 - a failed host loop is reported, the case goes on
-        out["loop"] = {"error": f"{type(e).__name__}: {str(e).strip()[:160]}"}
+    for key, one in (("loop staged", False), ("loop", True)):
+        try:
+            wall = host_loop(target, drafter, dstep, vstep, batch, context,
+                             (taps, ra, ctx_pos.view(batch, b)),
+                             stop_id=target.cfg.vocab_size - 1, iters=iters, one=one)
+            out[key] = {"wall_us": wall * 1e6, "graphs_us": graphs_us,
+                        "idle_us": wall * 1e6 - graphs_us, "iters": iters}
+        except Exception as e:  # noqa: BLE001 - a failed host loop is reported, the case goes on
+            out[key] = {"error": f"{type(e).__name__}: {str(e).strip()[:160]}"}
     release_caches(target, drafter)  # the graphs' pools go when this returns
     return out
 

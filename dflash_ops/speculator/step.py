@@ -191,9 +191,35 @@ class Iteration:
         self.stats = Stats() if stats is None else stats
         self.device = target.device
         self.sync_stages = time_stages and torch.device(self.device).type == "cuda"
+        # greedy static steps, untimed: the whole iteration as one step (``_one_step``; graphed:
+        # one graph per bucket): prepare the draft block, draft, prepare the verify block,
+        # verify, commit, the committed rows' context, the flags; the host replays it and
+        # reads the flags, so the GPU waits for the host once an iteration, not between the
+        # steps' eager launches (issue 19)
+        ds, vs = self.dstep, self.vstep
+        self.one = (sampling is None and ds is not None and vs is not None
+                    and not ds.want_logits and not vs.want_logits
+                    and ds.select_temperature == 0 and not self.sync_stages)
+        self._one_graphs: dict = {}  # bucket -> (graph, outputs) for self._one_state
+        self._one_state: Optional[State] = None
+        self._rows_key: Optional[torch.Tensor] = None  # the rows self._rows holds
+        if self.one:  # the active request slots, -1 past them (padding: no commit)
+            long = dict(dtype=torch.long, device=self.device)
+            self._rows = torch.full((vs.max_batch,), -1, **long)
+            self._acc = torch.zeros(2, vs.max_batch, **long)  # (done, kept)
+
+    def _load_rows(self, rows: torch.Tensor, bucket: int) -> None:
+        """``self._rows[:bucket]``: rows, then -1 (a new copy only when the loop's rows tensor
+        is a new one: it makes one when the active set changes)."""
+        if rows is not self._rows_key:
+            self._rows[:bucket].fill_(-1)
+            self._rows[:rows.shape[0]].copy_(rows)
+            self._rows_key = rows
 
     def __call__(self, state: State, rows: torch.Tensor) -> Tuple[List[bool], List[int]]:
         """One iteration of the requests ``rows`` [R]: (done, tokens committed) per request."""
+        if self.one:
+            return self._one_call(state, rows)
         st = self.stats
         t0 = time.perf_counter()
         drafts, q, spent = self._draft(state, rows)
@@ -206,18 +232,83 @@ class Iteration:
         t2 = time.perf_counter()
         kept, fin = self._commit(state, rows, block, post, logits, q, taps)
         flags = torch.stack([fin.long(), kept]).tolist()  # the iteration's one host read
-        st.host_syncs += 1
         t3 = time.perf_counter()
         st.seconds["draft"] += t1 - t0
         st.seconds["verify"] += t2 - t1
         st.seconds["accept"] += t3 - t2
+        st.decode_steps += self.b == 1
+        self._count(flags)
+        return [bool(f) for f in flags[0]], flags[1]
+
+    def _count(self, flags: list) -> None:
+        st = self.stats
+        st.host_syncs += 1
         if self.b > 1:
             st.acceptance.extend(flags[1])
             st.drafted += (self.b - 1) * len(flags[1])
         st.blocks[self.b] = st.blocks.get(self.b, 0) + 1
-        st.decode_steps += self.b == 1
         st.iterations += 1
+
+    def _one_call(self, state: State, rows: torch.Tensor) -> Tuple[List[bool], List[int]]:
+        """The iteration as one step (graphed: one replay) and one host read; its time counts
+        as draft time (the stages are not apart)."""
+        st, r = self.stats, rows.shape[0]
+        t0 = time.perf_counter()
+        flush_pending(self.drafter, state, self.b)  # rows a step of another kind left
+        bucket = self.vstep.bucket(r)
+        if state is not self._one_state:  # the graphs bake in a call's state tensors
+            self._one_graphs, self._one_state, self._rows_key = {}, state, None
+        self._load_rows(rows, bucket)
+        spent = 0.0
+        if self.graphs and bucket not in self._one_graphs:
+            t = time.perf_counter()
+            # capture_graph's warm-up runs one real iteration: the counters go back to before
+            # it, so the first replay commits its tokens again (its cache writes and token
+            # columns are the ones the replay repeats)
+            keep = (state.n_out, state.start, state.last)
+            saved = [x.clone() for x in keep]
+            self._one_graphs[bucket] = dispatch.capture_graph(
+                lambda: self._one_step(state, bucket), self.device)
+            for x, v in zip(keep, saved):
+                x.copy_(v)
+            spent = time.perf_counter() - t
+            st.seconds["capture"] += spent
+            st.host_syncs += 1
+        if self.graphs:
+            self._one_graphs[bucket][0].replay()
+        else:
+            self._one_step(state, bucket)
+        flags = self._acc[:, :r].tolist()  # the iteration's one host read
+        st.seconds["draft"] += time.perf_counter() - t0 - spent
+        self._count(flags)
         return [bool(f) for f in flags[0]], flags[1]
+
+    def _one_step(self, state: State, bucket: int) -> None:
+        """The iteration on ``self._rows[:bucket]`` (-1: padding, committed nowhere): the
+        draft block from the state, the drafter's block forward (its context is current: the
+        previous iteration added it), the verify block, the target's step, greedy_commit, the
+        committed rows' taps to the drafter's context, the flags into ``self._acc``."""
+        ds, vs, s, d = self.dstep, self.vstep, state, self.drafter
+        rows = self._rows[:bucket]
+        with dispatch.without_debug_checks():  # -1 rows on purpose (DFLASH_OPS_DEBUG=1)
+            prepare_step_(rows, s.last, s.start, None, None, None, d.cfg.mask_token_id,
+                          ds.scratch, ds.block_ids[:bucket], ds.requests[:bucket],
+                          ds.start[:bucket])
+        drafts, _ = d.propose(ds.block_ids[:bucket], ds.requests[:bucket], ds.start[:bucket],
+                              logits=False)
+        with dispatch.without_debug_checks():
+            prepare_step_(rows, s.last, s.start, drafts.contiguous(), None, None, 0,
+                          vs.scratch, vs.ids[:bucket], vs.requests[:bucket],
+                          vs.start[:bucket])
+        _, post, taps = vs._step(bucket)
+        with dispatch.without_debug_checks():
+            kept, fin, ctx_pos = greedy_commit(vs.ids[:bucket], post, rows, s.n_out, s.start,
+                                               s.last, s.out_tokens, s.stop, s.max_new)
+            # rows not committed (rejected drafts, padding): position -1, written nowhere
+            d.add_context(taps, vs.requests[:bucket, None].expand(-1, self.b).reshape(-1),
+                          ctx_pos.reshape(-1))
+        self._acc[0, :bucket].copy_(fin)
+        self._acc[1, :bucket].copy_(kept)
 
     def _stage_done(self) -> None:
         if self.sync_stages:
@@ -360,7 +451,6 @@ class DecodeIteration(Iteration):
         self.steps = max(1, int(steps_per_read)) if self.fused else 1  # tokens an iteration
         self._graphs: dict = {}  # bucket -> (graph, outputs) for self._state
         self._state: Optional[State] = None
-        self._rows_key: Optional[torch.Tensor] = None  # the rows self._rows holds
         if self.fused:  # the active request slots, -1 past them (padding)
             self._rows = torch.full((vstep.max_batch,), -1, dtype=torch.long,
                                     device=self.device)
@@ -382,10 +472,7 @@ class DecodeIteration(Iteration):
             self._acc = torch.zeros(2, self.vstep.max_batch, **long)  # (done, kept) summed
         vs = self.vstep
         bucket = vs.bucket(r)
-        if rows is not self._rows_key:  # the loop makes a new rows tensor when the set
-            self._rows[:bucket].fill_(-1)  # changes; rows past R: outside [0, N), padding
-            self._rows[:r].copy_(rows)  # and no commit
-            self._rows_key = rows
+        self._load_rows(rows, bucket)
         spent = 0.0
         if self.graphs and bucket not in self._graphs:
             t = time.perf_counter()
