@@ -2,7 +2,7 @@
 # The one script run on the H200 (device tool): install (builds dflash_ops._C), info, check, the
 # GPU tests, the benchmarks. Logs and result tables go under $OUT (at most 8 files come back:
 # more are packed into $OUT/all.tgz at the end).
-# Usage: bash benchmarks/gpu_check.sh [build|tests|sanitize|ncu|ncu-cases|vllm|vllm-counter|vllm-bench|dflash2|policy|bench|ctx|attn|linear|pdl-probe|drafter|e2e|models|compare|profile|cmake|all]
+# Usage: bash benchmarks/gpu_check.sh [build|tests|sanitize|ncu|ncu-cases|vllm|vllm-counter|vllm-bench|dflash2|policy|bench|ctx|attn|linear|pdl-probe|exact-probe|drafter|e2e|models|compare|profile|cmake|all]
 #   all:     tests + bench + ctx; build: install, info and check only
 #   tests:   pytest -m gpu over SHARDS processes; TEST_FILES="tests/a.py tests/b.py" for a subset
 #   sanitize: the hostile-value GPU tests (tests/test_hostile_inputs.py,
@@ -35,6 +35,8 @@
 #            and profile_step (PROFILE_ARGS) in one call
 #   pdl-probe: benchmarks/pdl_probe.py: what programmatic dependent launch saves a kernel in
 #            graphed chains of dependent Triton kernels (issue 19's launch-bound steps)
+#   exact-probe: benchmarks/exact_probe.py (PROBE_ARGS): which GEMM launches give exact mode's
+#            bits (issue 19: may exact mode change its tile with M and keep them?)
 #   ncu-cases: Nsight Compute of one launch of each of benchmarks/ncu_cases.py's NCU_CASES
 #            (the DFlash 2 projection GEMM, o_proj, conv, top-k, ...): $OUT/ncu_<case>.ncu-rep,
 #            its details page as text, and each page's headline metrics and rule findings
@@ -289,6 +291,10 @@ if [ "$what" = linear ]; then  # the models.linear table: cuBLAS vs the Triton G
 fi
 if [ "$what" = pdl-probe ]; then
   timeout 200 python3 benchmarks/pdl_probe.py 2>&1 | tee "$OUT/pdl_probe.log"
+fi
+if [ "$what" = exact-probe ]; then
+  timeout 300 python3 benchmarks/exact_probe.py ${PROBE_ARGS:-} 2>&1 | tee "$OUT/exact_probe.log" \
+    | grep -E "^[a-z_]+ N=|cuBLAS|exact rows"
 fi
 if [ "$what" = attn ]; then
   timeout 500 python3 benchmarks/bench_attention.py ${BENCH_ARGS:-} --out "$OUT/results" 2>&1 \
