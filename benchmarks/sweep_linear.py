@@ -131,12 +131,17 @@ def main():
             for key, cfg in (("exact", L.exact_config(m, n, k, x.device)),
                              ("exact_nosplit", tc.ProjCfg(*L.EXACT_CFG))):
                 o = torch.empty(m, n, device="cuda", dtype=bf16)
-                tc.launch_proj(x, w, None, o, cfg)
-                torch.cuda.synchronize()
-                err = ((o.float() - want).abs().max() / want.abs().max()).item()
-                ex[key] = (t_us(lambda wi: tc.launch_proj(x, wi, None, o, cfg), ws)
-                           if err <= 2e-2 else float("inf"))
-                ex[key + "_cfg"] = list(cfg)
+                ex[key], ex[key + "_cfg"] = float("inf"), list(cfg)
+                try:  # a failure is recorded (inf and the error), the sweep goes on
+                    tc.launch_proj(x, w, None, o, cfg)
+                    torch.cuda.synchronize()
+                    err = ((o.float() - want).abs().max() / want.abs().max()).item()
+                    if err <= 2e-2:
+                        ex[key] = t_us(lambda wi: tc.launch_proj(x, wi, None, o, cfg), ws)
+                    else:
+                        ex[key + "_error"] = f"WRONG (rel err {err:.2e})"
+                except Exception as e:  # noqa: BLE001
+                    ex[key + "_error"] = f"failed: {type(e).__name__}: {str(e)[:80]}"
             print(f"\n{name} M={m} N={n} K={k}: cuBLAS {lin:.1f} us ({lin / fl:.2f}x floor "
                   f"{fl:.1f} us); best triton {best_us:.1f} us ({best_us / lin:.2f}x cuBLAS) "
                   f"[{time.time() - t0:.0f} s]", flush=True)
@@ -147,7 +152,8 @@ def main():
             print(f"   exact: {ex['exact']:.1f} us ({ex['exact'] / lin:.2f}x cuBLAS, "
                   f"{ex['exact'] / fl:.2f}x floor; split {ec[8]}, "
                   f"{'serial' if ec[9] else 'a program a slice'}); without the split "
-                  f"{ex['exact_nosplit']:.1f} us", flush=True)
+                  f"{ex['exact_nosplit']:.1f} us {ex.get('exact_error', '')} "
+                  f"{ex.get('exact_nosplit_error', '')}", flush=True)
             entries.append(dict(name=name, n=n, k=k, m=m, cublas_us=lin, floor_us=fl,
                                 triton_us=best_us if best_us < float("inf") else None,
                                 cfg=list(best) if best_us < float("inf") else None, **ex))

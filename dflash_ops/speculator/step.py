@@ -267,10 +267,12 @@ class Iteration:
             # columns are the ones the replay repeats)
             keep = (state.n_out, state.start, state.last)
             saved = [x.clone() for x in keep]
-            self._one_graphs[bucket] = dispatch.capture_graph(
-                lambda: self._one_step(state, bucket), self.device)
-            for x, v in zip(keep, saved):
-                x.copy_(v)
+            try:
+                self._one_graphs[bucket] = dispatch.capture_graph(
+                    lambda: self._one_step(state, bucket), self.device)
+            finally:  # a failed capture (e.g. out of memory) leaves the counters as they were
+                for x, v in zip(keep, saved):
+                    x.copy_(v)
             spent = time.perf_counter() - t
             st.seconds["capture"] += spent
             st.host_syncs += 1
@@ -482,10 +484,12 @@ class DecodeIteration(Iteration):
             # the sums are reset below anyway)
             keep = (state.n_out, state.start, state.last)
             saved = [x.clone() for x in keep]
-            self._graphs[bucket] = dispatch.capture_graph(
-                lambda: self._step(state, bucket), self.device)
-            for x, v in zip(keep, saved):
-                x.copy_(v)
+            try:
+                self._graphs[bucket] = dispatch.capture_graph(
+                    lambda: self._step(state, bucket), self.device)
+            finally:  # a failed capture leaves the counters as they were
+                for x, v in zip(keep, saved):
+                    x.copy_(v)
             spent = time.perf_counter() - t
             st.seconds["capture"] += spent
             st.host_syncs += 1
