@@ -191,15 +191,16 @@ class Iteration:
         self.stats = Stats() if stats is None else stats
         self.device = target.device
         self.sync_stages = time_stages and torch.device(self.device).type == "cuda"
-        # greedy static steps, untimed: the whole iteration as one step (``_one_step``; graphed:
-        # one graph per bucket): prepare the draft block, draft, prepare the verify block,
-        # verify, commit, the committed rows' context, the flags; the host replays it and
-        # reads the flags, so the GPU waits for the host once an iteration, not between the
-        # steps' eager launches (issue 19)
+        # greedy static steps without stage timing (its stages are not apart, on any device):
+        # the whole iteration as one step (``_one_step``; graphed: one graph per bucket):
+        # prepare the draft block, draft, prepare the verify block, verify, commit, the
+        # committed rows' context, the flags; the host replays it and reads the flags, so the
+        # GPU waits for the host once an iteration, not between the steps' eager launches
+        # (issue 19)
         ds, vs = self.dstep, self.vstep
         self.one = (sampling is None and ds is not None and vs is not None
                     and not ds.want_logits and not vs.want_logits
-                    and ds.select_temperature == 0 and not self.sync_stages)
+                    and ds.select_temperature == 0 and not time_stages)
         self._one_graphs: dict = {}  # bucket -> (graph, outputs) for self._one_state
         self._one_state: Optional[State] = None
         self._rows_key: Optional[torch.Tensor] = None  # the rows self._rows holds
