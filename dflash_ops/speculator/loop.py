@@ -248,17 +248,19 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
                          stop_token_ids: Sequence[int] = (), block_size: Optional[int] = None,
                          on_iteration: Optional[Callable[[int], None]] = None,
                          temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                         generator: Optional[torch.Generator] = None, time_stages: bool = True,
+                         generator: Optional[torch.Generator] = None, time_stages: bool = False,
                          steps: str = "auto", policy: bool = True,
                          policy_blocks: Optional[Sequence[int]] = None,
                          exact: Optional[bool] = None):
     """(new tokens per prompt, Stats): DFlash decoding. Greedy (temperature 0) equals
     ``plain_greedy``; with temperature > 0 the output follows the target's sampling
     distribution (speculative rejection sampling). ``generator``: a torch.Generator on the
-    target's device for the random draws. ``time_stages``: synchronise after each stage to
-    time it (Stats.seconds); off, the loop's only device-to-host read is the done flags and
-    committed counts once an iteration (and the active index list is uploaded only when a
-    request finishes). ``steps``: "direct", "static" or "graphs" (module docstring); "auto" is
+    target's device for the random draws. ``time_stages``: run the stages apart and
+    synchronise after each to time it (Stats.seconds: draft, verify, accept); off (the
+    default), the loop's only device-to-host read is the done flags and committed counts once
+    an iteration (and the active index list is uploaded only when a request finishes), and a
+    greedy drafting iteration on static steps runs as one step (with graphs: one graph), its
+    time counted as draft time. ``steps``: "direct", "static" or "graphs" (module docstring); "auto" is
     "graphs" on CUDA when both caches have a spare request slot (max_requests > batch) with
     room for one block, else "direct" (Stats.steps says which ran).
 
