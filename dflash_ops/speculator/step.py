@@ -17,9 +17,10 @@ loop and of the e2e benchmark's host loop (``bench.e2e``).
    acceptances, the bonus from p (so the output has the target's distribution). Either commits
    ``accepted + 1`` tokens cut at a stop token or max_new, and updates n_out, start, last;
 4. the committed rows' tap hidden states (rows ``0 .. accepted``) become the drafter's context
-   K/V: added at once (direct calls), or kept in ``state.pending`` for the next draft step,
-   which adds them first. KV of rejected positions stays in both caches but is never visible
-   (attention is bounded by each request's length) and is overwritten next iteration.
+   K/V: added at once (direct calls and the one-step iteration below), or kept in
+   ``state.pending`` for the next draft step, which adds them first. KV of rejected positions
+   stays in both caches but is never visible (attention is bounded by each request's length)
+   and is overwritten next iteration.
 
 The host reads the done flags and committed counts once an iteration (``time_stages`` adds a
 synchronisation after the draft and the verify, to time them: ``Stats.seconds``).
@@ -28,7 +29,10 @@ synchronisation after the draft and the verify, to time them: ``Stats.seconds``)
 (the next power of two of the active requests, at most the batch), filled from the state by one
 ``prepare_step_`` launch each; the padded rows run as the steps' scratch request slot. With
 ``graphs`` each step's CUDA graph is captured on the first use of a bucket (one sync, its time
-in ``Stats.seconds["capture"]``) and replayed from then on.
+in ``Stats.seconds["capture"]``) and replayed from then on. Greedy, with those steps and no
+stage timing, the iteration runs as one step (``Iteration.one``): 1-4 above and the flags in
+one call, with ``graphs`` one CUDA graph a bucket, so the GPU waits for the host once an
+iteration instead of between the steps' launches; its time is counted as draft time.
 """
 from __future__ import annotations
 
