@@ -27,9 +27,11 @@ POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "bt_ptr": "*i3
             "op_ptr": "*fp32", "lse_ptr": "*fp32"}
 
 
-def compile_attention(block_n: int, stages: int, warps: int, splits: int = 32) -> dict:
+def compile_attention(block_n: int, stages: int, warps: int, splits: int = 32,
+                      pdl: bool = False) -> dict:
     """The sm_90 compile of ``triton.attention._attn_kernel`` (bf16, D 128, GQA 4, 16 queries
-    a request, non-causal) for one configuration: shared bytes and instruction counts."""
+    a request, non-causal) for one configuration: shared bytes and instruction counts
+    (``pdl``: as launched as a programmatic dependent, triton/_pdl.py)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -37,7 +39,7 @@ def compile_attention(block_n: int, stages: int, warps: int, splits: int = 32) -
     from dflash_ops.triton import attention as A
     fn = A._attn_kernel
     consts = dict(G=4, D=128, BLOCK_Q=16, BLOCK_N=block_n, SPLITS=splits, CAUSAL=False,
-                  HAS_SINKS=False, NUM_STAGES=stages)
+                  HAS_SINKS=False, NUM_STAGES=stages, PDL=pdl)
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
@@ -49,12 +51,15 @@ def compile_attention(block_n: int, stages: int, warps: int, splits: int = 32) -
         if name in POINTERS or "_st" in name:
             attrs[(i,)] = [["tt.divisibility", 16]]
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+                       target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps, launch_pdl=pdl))
     ptx = k.asm["ptx"]
     return {"shared_bytes": k.metadata.shared,
             **{n: len(re.findall(p, ptx)) for n, p in (("wgmma", r"wgmma\.mma_async"),
                                                        ("cp.async", r"cp\.async\.[a-z]"),
-                                                       ("mma.sync", r"mma\.sync"))}}
+                                                       ("mma.sync", r"mma\.sync"),
+                                                       ("griddepcontrol.wait",
+                                                        r"griddepcontrol\.wait"))}}
 
 
 def _configs(text: str) -> list:

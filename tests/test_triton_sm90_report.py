@@ -22,3 +22,16 @@ def test_attention_kernel_uses_wgmma_and_its_stages():
     # a third K/V stage of 64 keys x 128 x 2 (K and V) x 2 bytes: 32 KB more shared memory
     # (with the block table read inside the loop the stages did not take effect)
     assert three["shared_bytes"] - two["shared_bytes"] == 32 * 1024, (two, three)
+
+
+def test_attention_kernel_waits_for_its_prior_grid_when_launched_as_a_dependent():
+    """PDL (triton/_pdl.py): with PDL set the kernel waits for the prior grid
+    (griddepcontrol.wait); without it, no wait."""
+    pytest.importorskip("triton.backends.nvidia", reason="triton without its CUDA backend")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import triton_sm90_report as rep
+    finally:
+        sys.path.pop(0)
+    assert rep.compile_attention(64, 2, 4, pdl=True)["griddepcontrol.wait"] >= 1
+    assert rep.compile_attention(64, 2, 4)["griddepcontrol.wait"] == 0

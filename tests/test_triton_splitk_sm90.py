@@ -16,7 +16,7 @@ import pytest
 CASES = [(True, False), (True, True), (False, False), (False, True)]
 
 
-def _compile(tma: bool, ones: bool, serial: bool = False):
+def _compile(tma: bool, ones: bool, serial: bool = False, pdl: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -24,7 +24,7 @@ def _compile(tma: bool, ones: bool, serial: bool = False):
     from dflash_ops.triton import context as tc
     fn = tc._proj_splitk_kernel
     consts = dict(SPLIT=4, SERIAL=serial, TMA=tma, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=32,
-                  BLOCK_K=128, GROUP_M=8)
+                  BLOCK_K=128, GROUP_M=8, PDL=pdl)
     if ones:
         consts.update(T=1, NUM_M=1, NUM_N=1, x_st_k=1, w_st_k=1, b_st=1)
     ptrs = {"x_ptr": "tensordesc<bf16[16, 128]>" if tma else "*bf16",
@@ -38,7 +38,8 @@ def _compile(tma: bool, ones: bool, serial: bool = False):
         if name in aligned:
             attrs[(i,)] = [["tt.divisibility", 16]]
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=4))
+                       target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4, num_stages=4, launch_pdl=pdl))
     return k
 
 
@@ -63,3 +64,15 @@ def test_serial_splitk_compiles_for_sm90(tma):
     assert re.search(r"%total\w* = arith\.addf %total\w*, ", ttgir), "slice sum not a plain add"
     if not tma:  # cp.async ring (the pointer path's pipelining)
         assert "async_copy_global_to_local" in ttgir
+
+
+def test_splitk_kernel_as_a_programmatic_dependent():
+    """PDL (triton/_pdl.py): the wait for the prior grid comes before the kernel's first
+    global load, store or atomic; none without PDL."""
+    pytest.importorskip("triton.backends.nvidia", reason="triton without its CUDA backend")
+    ptx = _compile(False, True, pdl=True).asm["ptx"]
+    wait = ptx.index("griddepcontrol.wait")
+    first = min(i for i in (ptx.find(op) for op in ("ld.global", "st.global", "atom.global",
+                                                     "cp.async")) if i >= 0)
+    assert wait < first, "a global access before the wait"
+    assert "griddepcontrol" not in _compile(False, True).asm["ptx"]

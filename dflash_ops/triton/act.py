@@ -22,6 +22,7 @@ from triton.language.extra import libdevice
 
 from .. import dispatch
 from ..ops.act import rows_of
+from ._pdl import pdl_kwargs
 
 _ELEMS = 2048  # outputs a program
 _MAX_BLOCK_I = 1024
@@ -30,7 +31,9 @@ _MAX_BLOCK_I = 1024
 @triton.jit
 def _silu_mul_kernel(x_ptr, y_ptr, n_rows, I, row_stride,
                      BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
-                     OFF_64: tl.constexpr):
+                     OFF_64: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
+        tl.extra.cuda.gdc_wait()
     # x: row r at x_ptr + r * row_stride, gate [0, I), up [I, 2I); y: [n_rows, I] contiguous.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -77,7 +80,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     off_64 = max((n_rows - 1) * row_stride + 2 * inner, n_rows * inner, n_rows + block_m) >= 2**31
     _silu_mul_kernel[grid](x, out, n_rows, inner, row_stride, BLOCK_M=block_m, BLOCK_I=block_i,
                            LIBDEVICE_EXP=not dispatch._interpret(), OFF_64=off_64,
-                           num_warps=num_warps)
+                           num_warps=num_warps, **pdl_kwargs(x.device))
     return out
 
 

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from .. import dispatch
+from ._pdl import pdl_kwargs
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
@@ -87,7 +88,9 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, qsl_ptr, sink_ptr, out_ptr
                  o_st_t, o_st_h, op_st_s, op_st_t, op_st_h, lse_st_s, lse_st_t,
                  G: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
                  BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, CAUSAL: tl.constexpr,
-                 HAS_SINKS: tl.constexpr, NUM_STAGES: tl.constexpr):
+                 HAS_SINKS: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     s = tl.program_id(1)
     b = pid // HKV
@@ -201,7 +204,10 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, qsl_ptr, sink_ptr, out_ptr
 @triton.jit
 def _combine_kernel(qsl_ptr, sink_ptr, out_ptr, op_ptr, lse_ptr, Tq, HKV, o_st_t, o_st_h, op_st_s,
                     op_st_t, op_st_h, lse_st_s, lse_st_t, G: tl.constexpr, D: tl.constexpr,
-                    BLOCK_Q: tl.constexpr, SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr):
+                    BLOCK_Q: tl.constexpr, SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
+                    PDL: tl.constexpr):
+    if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     b = pid // HKV
     kvh = pid % HKV
@@ -296,13 +302,13 @@ def block_attention_out_(q, k_cache, v_cache, block_table, seq_lens, query_start
         lse.stride(0), lse.stride(1),
         G=g, D=d, BLOCK_Q=block_q, BLOCK_N=block_n, SPLITS=n_split, CAUSAL=bool(causal),
         HAS_SINKS=sinks is not None, NUM_STAGES=num_stages or 2, num_warps=num_warps or 4,
-        num_stages=2)
+        num_stages=2, **pdl_kwargs(q.device))
     if n_split > 1:
         _combine_kernel[(b * hkv,)](
             query_start_loc, sink, out, part, lse, tq, hkv, out.stride(0), out.stride(1),
             part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
             G=g, D=d, BLOCK_Q=block_q, SPLITS=n_split, HAS_SINKS=sinks is not None,
-            num_warps=4)
+            num_warps=4, **pdl_kwargs(q.device))
 
 
 def block_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale,

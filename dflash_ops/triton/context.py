@@ -42,6 +42,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import dispatch
+from ._pdl import pdl_kwargs
 from . import kv as _kv
 from .norm import rms_norm as _rms_norm
 
@@ -124,7 +125,10 @@ def _kv_proj_tile(tile, x_ptr, w_ptr, b_ptr, out_ptr, T, N, H, x_st_m, x_st_k, w
 def _kv_proj_kernel(x_ptr, w_ptr, b_ptr, out_ptr, T, N, H, x_st_m, x_st_k, w_st_n, w_st_k, b_st,
                     o_st_m, NUM_M, NUM_N, TMA: tl.constexpr, PERSISTENT: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                    PDL: tl.constexpr):
+    if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
+        tl.extra.cuda.gdc_wait()
     # PERSISTENT: one program per SM walks the tiles (stride = grid size); else one per tile
     if PERSISTENT:
         for tile in tl.range(tl.program_id(0), NUM_M * NUM_N, tl.num_programs(0), flatten=True):
@@ -182,7 +186,9 @@ def _proj_splitk_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, T, N, H
                         x_st_k, w_st_n, w_st_k, b_st, o_st_m, NUM_M, NUM_N,
                         SPLIT: tl.constexpr, SERIAL: tl.constexpr, TMA: tl.constexpr,
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
+        tl.extra.cuda.gdc_wait()
     # K in SPLIT slices [s * KS, (s + 1) * KS) (KS a multiple of BLOCK_K); the tile's result is
     # ((0 + partial_0) + partial_1) + ... in fp32, each partial a chain of dots from zero.
     # Parallel (grid (tiles, SPLIT)): program (tile, s) stores partial_s in part[s]; the tile's
@@ -322,7 +328,9 @@ def _context_kv_kernel(x_ptr, w_ptr, b_ptr, kw_ptr, pos_ptr, cs_ptr, slot_ptr, k
                        D: tl.constexpr, R: tl.constexpr, IS_NEOX: tl.constexpr,
                        GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                       ALIGN: tl.constexpr):
+                       ALIGN: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
+        tl.extra.cuda.gdc_wait()
     _context_tile(tl.program_id(0), x_ptr, w_ptr, b_ptr, kw_ptr, pos_ptr, cs_ptr,
                   slot_ptr, kc_ptr, vc_ptr, tab_ptr, T, N, H, HKV, n_layers, x_st_m, x_st_k,
                   w_st_n, w_st_k, b_st, kw_st_l, kw_st_d, pos_st, P, cs_st0, cs_st1,
@@ -490,13 +498,14 @@ def launch_proj(x, w_kv, bias, out, cfg: ProjCfg) -> None:
             num_n, SPLIT=cfg.split, SERIAL=cfg.serial, TMA=tma, HAS_BIAS=bias is not None,
             BLOCK_M=cfg.bm,
             BLOCK_N=cfg.bn, BLOCK_K=cfg.bk, GROUP_M=cfg.gm, num_warps=cfg.warps,
-            num_stages=cfg.stages)
+            num_stages=cfg.stages, **pdl_kwargs(x.device))
         return
     _kv_proj_kernel[(_grid(num_m * num_n, cfg.persistent, x.device),)](
         xo, wo, b, out, t, n, h, x.stride(0), x.stride(1), w_kv.stride(0), w_kv.stride(1),
         bias.stride(0) if bias is not None else 0, out.stride(0), num_m, num_n, TMA=tma,
         PERSISTENT=cfg.persistent, HAS_BIAS=bias is not None, BLOCK_M=cfg.bm, BLOCK_N=cfg.bn, BLOCK_K=cfg.bk,
-        GROUP_M=cfg.gm, EVEN_K=h % cfg.bk == 0, num_warps=cfg.warps, num_stages=cfg.stages)
+        GROUP_M=cfg.gm, EVEN_K=h % cfg.bk == 0, num_warps=cfg.warps, num_stages=cfg.stages,
+        **pdl_kwargs(x.device))
 
 
 def kv_proj(x, w_kv, bias=None, *, cfg: Optional[ProjCfg] = None):
@@ -548,7 +557,7 @@ def context_kv_(x, w_kv, bias, k_weight, positions, cos_sin_cache, slot_mapping,
         R=r, IS_NEOX=bool(is_neox),
         GATHER=bool(is_neox) and (r & (r - 1)) != 0, HAS_BIAS=bias is not None, BLOCK_M=cfg.bm,
         BLOCK_K=cfg.bk, GROUP_M=cfg.gm, EVEN_K=h > 0 and h % cfg.bk == 0, ALIGN=align,
-        num_warps=cfg.warps, num_stages=cfg.stages)
+        num_warps=cfg.warps, num_stages=cfg.stages, **pdl_kwargs(x.device))
 
 
 dispatch.register_backend("kv_proj", "triton", kv_proj)

@@ -17,11 +17,14 @@ import triton
 import triton.language as tl
 
 from .. import dispatch
+from ._pdl import pdl_kwargs
 
 
 @triton.jit
 def _conv_kernel(x_ptr, d_ptr, b_ptr, y_ptr, T, H, B, GS, sx, sd_t, sd_k, sb,
-                 K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+                 K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
+        tl.extra.cuda.gdc_wait()
     # any group size: the dynamic tap is gathered per channel
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -44,7 +47,9 @@ def _conv_kernel(x_ptr, d_ptr, b_ptr, y_ptr, T, H, B, GS, sx, sd_t, sd_k, sb,
 @triton.jit
 def _conv_groups_kernel(x_ptr, d_ptr, b_ptr, y_ptr, T, H, B, G, sx, sd_t, sd_k, sb,
                         K: tl.constexpr, GS: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BLOCK_G: tl.constexpr):
+                        BLOCK_G: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
+        tl.extra.cuda.gdc_wait()
     # a power-of-two group size: a [BLOCK_T, BLOCK_G, GS] tile, one dynamic load per group
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     gi = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
@@ -84,12 +89,13 @@ def grouped_dyn_conv(x, dynamic, base, group_size: int, block_size: int) -> torc
         block_t = 16
         grid = (triton.cdiv(t, block_t), triton.cdiv(groups, block_g))
         _conv_groups_kernel[grid](*args, groups, *strides, K=k, GS=gs, BLOCK_T=block_t,
-                                  BLOCK_G=block_g, num_warps=8)
+                                  BLOCK_G=block_g, num_warps=8, **pdl_kwargs(x.device))
         return y
     block_c = min(256, triton.next_power_of_2(h))
     block_t = max(1, min(16, 2048 // block_c))
     grid = (triton.cdiv(t, block_t), triton.cdiv(h, block_c))
-    _conv_kernel[grid](*args, gs, *strides, K=k, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4)
+    _conv_kernel[grid](*args, gs, *strides, K=k, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4,
+                       **pdl_kwargs(x.device))
     return y
 
 
@@ -129,7 +135,9 @@ def _conv_add_chunk(x_ptr, d_ptr, b_ptr, r_ptr, t, pos, c, H, GS, sx, sd_t, sd_k
 @triton.jit
 def _conv_add_norm_kernel(x_ptr, d_ptr, b_ptr, r_ptr, w_ptr, out_ptr, H, B, GS, sx, sd_t, sd_k,
                           sb, sr, so, eps, K: tl.constexpr, BLOCK: tl.constexpr,
-                          ONE_CHUNK: tl.constexpr):
+                          ONE_CHUNK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     # the row's position in its block, broadcast (the interpreter cannot AND a scalar bool
     # with a block)
@@ -168,7 +176,8 @@ def conv_add_rms_norm_(x, residual, dynamic, base, group_size: int, block_size: 
                                 group_size, x.stride(0), dynamic.stride(0), dynamic.stride(1),
                                 base.stride(0), residual.stride(0), out.stride(0), eps,
                                 K=base.shape[0], BLOCK=block, ONE_CHUNK=one,
-                                num_warps=16 if block >= 4096 else 8 if block >= 1024 else 4)
+                                num_warps=16 if block >= 4096 else 8 if block >= 1024 else 4,
+                                **pdl_kwargs(x.device))
 
 
 dispatch.register_backend("conv_add_rms_norm_", "triton", conv_add_rms_norm_)

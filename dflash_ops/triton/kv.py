@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .. import dispatch
+from ._pdl import pdl_kwargs
 
 _ELEMS = 2048  # elements of K (and of V) a program
 _TABLES: "collections.OrderedDict" = collections.OrderedDict()
@@ -54,7 +55,10 @@ def _copy_rows(src_ptr, dst_ptr, tab_ptr, t, h, d, layer, mask, blk, row,
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, tab_ptr, slot_ptr, T, L, HKV, NHB, NSLOTS,
                      BS, slot_st, k_st_t, k_st_l, k_st_h, v_st_t, v_st_l, v_st_h,
                      D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                     ALIGN: tl.constexpr, SRC_64: tl.constexpr, SLOT_64: tl.constexpr):
+                     ALIGN: tl.constexpr, SRC_64: tl.constexpr, SLOT_64: tl.constexpr,
+                     PDL: tl.constexpr):
+    if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     g = tl.program_id(1)
     layer = g // NHB
@@ -144,7 +148,7 @@ def store_kv_(k, v, k_caches, v_caches, slot_mapping) -> None:
         D=d, BLOCK_T=block_t, BLOCK_H=block_h, ALIGN=align,
         SRC_64=max(_span(k, pads), _span(v, pads)) >= _INDEX_32_MAX,
         SLOT_64=n_slots >= _INDEX_32_MAX,
-        num_warps=num_warps)
+        num_warps=num_warps, **pdl_kwargs(k.device))
 
 
 dispatch.register_backend("store_kv_", "triton", store_kv_)

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .. import dispatch
+from ._pdl import pdl_kwargs
 
 
 @triton.jit
@@ -64,7 +65,9 @@ def _commit(new, match, r, j, rows_ptr, n_out_ptr, start_ptr, last_ptr, stop_ptr
 def _greedy_commit_kernel(block_ptr, post_ptr, rows_ptr, n_out_ptr, start_ptr, last_ptr,
                           out_ptr, stop_ptr, ctx_pos_ptr, kept_ptr, done_ptr,
                           out_stride, out_width, n_stop, max_new, N,
-                          B: tl.constexpr, BP: tl.constexpr, SP: tl.constexpr):
+                          B: tl.constexpr, BP: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
+        tl.extra.cuda.gdc_wait()
     r = tl.program_id(0)
     j = tl.arange(0, BP)
     post = tl.load(post_ptr + r * B + j, mask=j < B, other=0)
@@ -99,7 +102,10 @@ def _sample_commit_kernel(block_ptr, p_ptr, q_ptr, qi_ptr, u_ptr, ures_ptr, rows
                           start_ptr, last_ptr, out_ptr, stop_ptr, ctx_pos_ptr, kept_ptr,
                           done_ptr, sp_r, sp_j, sq_r, sq_j, V, KQ, out_stride, out_width, n_stop,
                           max_new, N, B: tl.constexpr, BP: tl.constexpr, SP: tl.constexpr,
-                          BV: tl.constexpr, SPARSE: tl.constexpr, BK: tl.constexpr):
+                          BV: tl.constexpr, SPARSE: tl.constexpr, BK: tl.constexpr,
+                          PDL: tl.constexpr):
+    if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
+        tl.extra.cuda.gdc_wait()
     r = tl.program_id(0).to(tl.int64)  # r * sp_r can pass 2^31 at large R * B * V
     j = tl.arange(0, BP)
     is_d = j < B - 1
@@ -172,7 +178,8 @@ def greedy_commit_(block, post, rows, n_out, start, last, out_tokens, stop_ids, 
         block.contiguous(), post.contiguous(), rows, n_out, start, last, out_tokens,
         _stops(stop_ids), ctx_pos, kept, done.view(torch.int8), out_tokens.stride(0),
         out_tokens.shape[1], stop_ids.numel(), max_new, n_out.shape[0], B=b,
-        BP=triton.next_power_of_2(b), SP=triton.next_power_of_2(max(1, stop_ids.numel())))
+        BP=triton.next_power_of_2(b), SP=triton.next_power_of_2(max(1, stop_ids.numel())),
+        **pdl_kwargs(block.device))
 
 
 def sample_commit_(block, p, q, u, u_res, rows, n_out, start, last, out_tokens, stop_ids,
@@ -194,14 +201,18 @@ def sample_commit_(block, p, q, u, u_res, rows, n_out, start, last, out_tokens, 
         done.view(torch.int8), p.stride(0), p.stride(1), q.stride(0), q.stride(1), v, kq,
         out_tokens.stride(0), out_tokens.shape[1], stop_ids.numel(), max_new, n_out.shape[0],
         B=b, BP=triton.next_power_of_2(b), SP=triton.next_power_of_2(max(1, stop_ids.numel())),
-        BV=bv, SPARSE=sparse, BK=triton.next_power_of_2(kq) if sparse else 1)
+        BV=bv, SPARSE=sparse, BK=triton.next_power_of_2(kq) if sparse else 1,
+        **pdl_kwargs(block.device))
 
 
 @triton.jit
 def _prepare_step_kernel(rows_ptr, last_ptr, start_ptr, drafts_ptr, ctx_rows_ptr, ctx_pos_ptr,
                          block_ptr, req_ptr, st_ptr, ctx_req_ptr, ctx_pos_out_ptr,
                          N, R, P, RC, C, fill_id, scratch,
-                         B: tl.constexpr, BP: tl.constexpr, HAS_DRAFTS: tl.constexpr):
+                         B: tl.constexpr, BP: tl.constexpr, HAS_DRAFTS: tl.constexpr,
+                         PDL: tl.constexpr):
+    if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
+        tl.extra.cuda.gdc_wait()
     """Program i: block row i (i < P) and context entries [i * B, i * B + B) (< C). Scalars are
     stored as lane 0 of a vector (masked), so every store has one form. Block rows past R, or
     whose state row is outside [0, N), get the padding entry."""
@@ -253,7 +264,8 @@ def prepare_step_(rows, last, start, drafts, ctx_rows, ctx_pos, fill_id: int, sc
     _prepare_step_kernel[(grid,)](
         rows, last, start, drafts, ctx_rows, ctx_pos, block_out, requests_out, start_out,
         ctx_req_out, ctx_pos_out, last.shape[0], r, p, ctx_rows.shape[0], c, fill_id, scratch,
-        B=b, BP=triton.next_power_of_2(b), HAS_DRAFTS=drafts.shape[0] > 0)
+        B=b, BP=triton.next_power_of_2(b), HAS_DRAFTS=drafts.shape[0] > 0,
+        **pdl_kwargs(rows.device))
 
 
 dispatch.register_backend("greedy_commit_", "triton", greedy_commit_)

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from .. import dispatch
 from ..ops._checks import merged_leading_dims
+from ._pdl import pdl_kwargs
 
 
 def row_layout(t: torch.Tensor, what: str, op: str):
@@ -43,7 +44,9 @@ def _rms_norm_kernel(x_ptr, res_ptr, out_ptr, w_ptr, n_rows, D, eps,
                      oS1, oS2, os0, os1, os2,
                      R, RPG,
                      FUSED_ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                     INDEX_64: tl.constexpr):
+                     INDEX_64: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     if INDEX_64:
         rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
@@ -109,7 +112,7 @@ def _launch(x, residual, out, weight, eps, op, cfg=None):
         x, residual if residual is not None else x, out, weight, n_rows, d, eps,
         xs[1], xs[2], *xst, rs[1], rs[2], *rst, os_[1], os_[2], *ost, big, rpg,
         FUSED_ADD=residual is not None, BLOCK_M=block_m, BLOCK_D=block_d,
-        INDEX_64=n_rows + block_m >= 2**31, num_warps=num_warps)
+        INDEX_64=n_rows + block_m >= 2**31, num_warps=num_warps, **pdl_kwargs(x.device))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .. import dispatch
+from ._pdl import pdl_kwargs
 
 _ELEMS = 1024  # elements a program (see config)
 _INDEX_32_MAX = 2**31  # offsets below this use 32-bit math (tests lower it)
@@ -117,7 +118,9 @@ def _rope_kernel(x_ptr, xw_ptr, y_ptr, yw_ptr, pos_ptr, cs_ptr, T, P, cs_st0, cs
                  D: tl.constexpr, R: tl.constexpr, BLOCK_HALF: tl.constexpr,
                  BLOCK_TAIL: tl.constexpr, IS_NEOX: tl.constexpr, NORM: tl.constexpr,
                  HAS_Y: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HX: tl.constexpr,
-                 BLOCK_HY: tl.constexpr, OFF_64: tl.constexpr):
+                 BLOCK_HY: tl.constexpr, OFF_64: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
+        tl.extra.cuda.gdc_wait()
     # x: [T, L, HX, D] (L = 1 for rope_ and q), axis 1 = layer * NXB + head block; with HAS_Y,
     # programs NX_PROGS.. of axis 1 take y: [T, HY, D] (qk_norm_rope_'s k).
     t0 = tl.program_id(0) * BLOCK_T
@@ -192,7 +195,8 @@ def _launch(x, xw, y, yw, positions, cos_sin_cache, eps, is_neox, norm):
         yw.stride(0) if y is not None else 0,
         D=d, R=r, BLOCK_HALF=block_half, BLOCK_TAIL=block_tail,
         IS_NEOX=bool(is_neox), NORM=norm, HAS_Y=y is not None, BLOCK_T=block_t,
-        BLOCK_HX=block_hx, BLOCK_HY=block_hy, OFF_64=span >= _INDEX_32_MAX, num_warps=num_warps)
+        BLOCK_HX=block_hx, BLOCK_HY=block_hy, OFF_64=span >= _INDEX_32_MAX, num_warps=num_warps,
+        **pdl_kwargs(x.device))
 
 
 def rope_(x, positions, cos_sin_cache, is_neox) -> None:

@@ -14,12 +14,15 @@ import triton
 import triton.language as tl
 
 from .. import dispatch
+from ._pdl import pdl_kwargs
 
 
 @triton.jit
 def _walk_kernel(unary_ptr, cand_ptr, hid_ptr, anchor_ptr, pred_ptr, succ_ptr, u_ptr, path_ptr,
                  q_ptr, J, K, RANK, V, temperature, SAMPLE: tl.constexpr, BK: tl.constexpr,
-                 BR: tl.constexpr):
+                 BR: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
+        tl.extra.cuda.gdc_wait()
     r = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BK)
     d = tl.arange(0, BR)
@@ -68,7 +71,7 @@ def select_candidates(unary, cand, hidden, anchor, pred, succ, temperature: floa
     _walk_kernel[(r,)](unary, cand, hidden, anchor, pred, succ, u if sample else unary, path, q,
                        j, k, rank, pred.shape[0], float(temperature) if sample else 1.0,
                        SAMPLE=sample, BK=triton.next_power_of_2(k),
-                       BR=triton.next_power_of_2(rank), num_warps=4)
+                       BR=triton.next_power_of_2(rank), num_warps=4, **pdl_kwargs(unary.device))
     return path, q
 
 
@@ -109,7 +112,9 @@ def _key_of(packed):
 
 
 @triton.jit
-def _chunk_max_kernel(z_ptr, stride_m, V, cmax_ptr, NCH, CHUNK: tl.constexpr):
+def _chunk_max_kernel(z_ptr, stride_m, V, cmax_ptr, NCH, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
+        tl.extra.cuda.gdc_wait()
     m = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1).to(tl.int64)
     offs = c * CHUNK + tl.arange(0, CHUNK).to(tl.int64)
@@ -119,7 +124,9 @@ def _chunk_max_kernel(z_ptr, stride_m, V, cmax_ptr, NCH, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _threshold_kernel(cmax_ptr, thr_ptr, NCH, K: tl.constexpr, NP: tl.constexpr):
+def _threshold_kernel(cmax_ptr, thr_ptr, NCH, K: tl.constexpr, NP: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
+        tl.extra.cuda.gdc_wait()
     m = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, NP)
     key = tl.load(cmax_ptr + m * NCH + j, mask=j < NCH, other=float("-inf"))
@@ -133,7 +140,9 @@ def _threshold_kernel(cmax_ptr, thr_ptr, NCH, K: tl.constexpr, NP: tl.constexpr)
 
 @triton.jit
 def _topk_chunk_kernel(z_ptr, stride_m, V, cmax_ptr, thr_ptr, cand_ptr, NCH,
-                       K: tl.constexpr, KP: tl.constexpr, CHUNK: tl.constexpr):
+                       K: tl.constexpr, KP: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
+        tl.extra.cuda.gdc_wait()
     m = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1).to(tl.int64)
     thr = tl.load(thr_ptr + m)
@@ -160,7 +169,9 @@ def _topk_chunk_kernel(z_ptr, stride_m, V, cmax_ptr, thr_ptr, cand_ptr, NCH,
 
 @triton.jit
 def _topk_merge_kernel(z_ptr, stride_m, cand_ptr, val_ptr, out_idx_ptr, N,
-                       K: tl.constexpr, KP: tl.constexpr, NP: tl.constexpr):
+                       K: tl.constexpr, KP: tl.constexpr, NP: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
+        tl.extra.cuda.gdc_wait()
     m = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, NP)
     packed = tl.load(cand_ptr + m * N + j, mask=j < N, other=EMPTY)
@@ -188,13 +199,15 @@ def row_topk(z, k: int):
     cmax = torch.empty((m, nch), dtype=torch.float32, device=z.device)
     thr = torch.empty((m,), dtype=torch.float32, device=z.device)
     cand = torch.empty((m, nch, kp), dtype=torch.long, device=z.device)
-    _chunk_max_kernel[(m, nch)](z, z.stride(0), v, cmax, nch, CHUNK=chunk, num_warps=4)
-    _threshold_kernel[(m,)](cmax, thr, nch, K=k, NP=triton.next_power_of_2(nch), num_warps=4)
+    _chunk_max_kernel[(m, nch)](z, z.stride(0), v, cmax, nch, CHUNK=chunk, num_warps=4,
+                                **pdl_kwargs(z.device))
+    _threshold_kernel[(m,)](cmax, thr, nch, K=k, NP=triton.next_power_of_2(nch), num_warps=4,
+                            **pdl_kwargs(z.device))
     _topk_chunk_kernel[(m, nch)](z, z.stride(0), v, cmax, thr, cand, nch, K=k, KP=kp,
-                                 CHUNK=chunk, num_warps=4)
+                                 CHUNK=chunk, num_warps=4, **pdl_kwargs(z.device))
     n = nch * kp
     _topk_merge_kernel[(m,)](z, z.stride(0), cand, vals, idx, n, K=k, KP=kp,
-                             NP=triton.next_power_of_2(n), num_warps=4)
+                             NP=triton.next_power_of_2(n), num_warps=4, **pdl_kwargs(z.device))
     return vals, idx
 
 

@@ -1,0 +1,40 @@
+"""Programmatic dependent launch (PDL) for the Triton kernels, on Hopper and later GPUs.
+
+A kernel launched as a programmatic dependent may start while the grid before it in the stream
+is still finishing: its CTAs are scheduled and run their set-up as the prior grid drains,
+instead of after it (inside a CUDA graph too: the capture records the launch attribute as a
+programmatic edge). Every Triton kernel here takes a ``PDL`` constexpr and, when it is set,
+waits (``griddepcontrol.wait``: the prior grid complete and its writes visible) before its
+first load or store, so nothing it reads or writes can race the prior grid; none triggers its
+dependents early (``launch_dependents``), so a dependent grid never holds SM slots while
+this one runs.
+
+``pdl_kwargs(device)``: the launch keywords, PDL on a CUDA device of compute capability >= 9
+unless ``DFLASH_OPS_PDL=0`` (read at each launch, so set it before a graph is captured), off
+in the interpreter and elsewhere.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+ENV = "DFLASH_OPS_PDL"
+_OFF = {"PDL": False}
+_ON = {"PDL": True, "launch_pdl": True}
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_kwargs(device: torch.device) -> dict:
+    """{"PDL": False} or {"PDL": True, "launch_pdl": True} for a launch on ``device``."""
+    if device.type != "cuda" or os.environ.get(ENV, "1") == "0":
+        return _OFF
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return _OFF
+    return _ON if _hopper(device.index if device.index is not None
+                          else torch.cuda.current_device()) else _OFF

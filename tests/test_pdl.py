@@ -1,0 +1,63 @@
+"""Programmatic dependent launch (dflash_ops/triton/_pdl.py): which launches use it, and that
+every Triton kernel waits for its prior grid before anything else when it does (a kernel
+launched as a dependent without that wait could read what the prior grid has not written
+yet: a race no CPU test sees). The kernels' compiled waits: tests/test_triton_splitk_sm90.py,
+tests/test_triton_sm90_report.py; on the GPU every test runs its Triton kernels with PDL."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+TRITON_DIR = Path(__file__).resolve().parents[1] / "dflash_ops" / "triton"
+
+
+def test_pdl_kwargs(monkeypatch):
+    pytest.importorskip("triton")
+    from dflash_ops.triton import _pdl
+
+    monkeypatch.delenv(_pdl.ENV, raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert _pdl.pdl_kwargs(torch.device("cpu")) == {"PDL": False}
+    monkeypatch.setattr(_pdl, "_hopper", lambda index: index == 0)
+    assert _pdl.pdl_kwargs(torch.device("cuda", 0)) == {"PDL": True, "launch_pdl": True}
+    assert _pdl.pdl_kwargs(torch.device("cuda", 1)) == {"PDL": False}  # before sm_90
+    monkeypatch.setenv(_pdl.ENV, "0")
+    assert _pdl.pdl_kwargs(torch.device("cuda", 0)) == {"PDL": False}
+    monkeypatch.setenv(_pdl.ENV, "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert _pdl.pdl_kwargs(torch.device("cuda", 0)) == {"PDL": False}
+
+
+def _jit_kernels(tree):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel") and any(
+                ast.unparse(d).endswith("jit") for d in node.decorator_list):
+            yield node
+
+
+def test_every_triton_kernel_waits_first_and_every_launch_passes_pdl():
+    kernels = launches = 0
+    for path in sorted(TRITON_DIR.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        names = set()
+        for fn in _jit_kernels(tree):
+            names.add(fn.name)
+            kernels += 1
+            args = [a.arg for a in fn.args.args]
+            assert "PDL" in args, f"{path.name}: {fn.name} takes no PDL"
+            first = fn.body[0]
+            assert (isinstance(first, ast.If) and ast.unparse(first.test) == "PDL"
+                    and ast.unparse(first.body[0]).endswith("gdc_wait()")), \
+                f"{path.name}: {fn.name} does not wait for the prior grid first"
+        for node in ast.walk(tree):  # kernel[grid](...) calls
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+                    and ast.unparse(node.func.value) in names):
+                launches += 1
+                assert any(k.arg is None and ast.unparse(k.value).startswith("pdl_kwargs(")
+                           for k in node.keywords), \
+                    f"{path.name}: a launch of {ast.unparse(node.func.value)} without " \
+                    f"**pdl_kwargs(...)"
+    assert kernels >= 20 and launches >= kernels, (kernels, launches)
