@@ -32,7 +32,7 @@ def _hopper(index: int) -> bool:
 
 def pdl_kwargs(device: torch.device) -> dict:
     """{"PDL": False} or {"PDL": True, "launch_pdl": True} for a launch on ``device``."""
-    if device.type != "cuda" or os.environ.get(ENV, "1") == "0":
+    if device.type != "cuda" or os.environ.get("DFLASH_OPS_PDL", "1") == "0":
         return _OFF
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         return _OFF
