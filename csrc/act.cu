@@ -57,6 +57,7 @@ __device__ __forceinline__ typename E::Bits silu_mul_one(typename E::Bits g, typ
 template <class E, int VEC>
 __global__ void __launch_bounds__(kBlock) silu_mul_kernel(const SiluMulParams p,
                                                           const int tpr_log2) {
+  pdl_wait();  // launched as a programmatic dependent (common.cuh): the prior grid first
   using Bits = typename E::Bits;
   using P = Pack<Bits, VEC>;
   const int64_t row =
@@ -119,7 +120,7 @@ void launch(const SiluMulParams& p, cudaStream_t stream) {
                     "dflash.silu_mul: x of ", p.rows, " rows of ", 2 * p.inner,
                     " is too large for one launch");
   const dim3 grid(static_cast<unsigned>(row_blocks), static_cast<unsigned>(col_chunks));
-  silu_mul_kernel<E, VEC><<<grid, kBlock, 0, stream>>>(p, tpr_log2);
+  launch_kernel(silu_mul_kernel<E, VEC>, grid, kBlock, 0, stream, p, tpr_log2);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

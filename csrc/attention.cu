@@ -303,7 +303,7 @@ template <class E, int D>
 void launch_combine(const AttnParams& p, cudaStream_t stream) {
   if (p.splits > 1) {
     const unsigned blocks = static_cast<unsigned>((p.rows + kCombineRows - 1) / kCombineRows);
-    combine_kernel<E, D><<<blocks, 32 * kCombineRows, 0, stream>>>(p);
+    launch_kernel(combine_kernel<E, D>, blocks, 32 * kCombineRows, 0, stream, p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
@@ -315,7 +315,7 @@ void launch_wgmma(const AttnParams& p, const WgMaps& maps, cudaStream_t stream) 
   constexpr int smem = WgTile<D>::SMEM;
   C10_CUDA_CHECK(cudaFuncSetAttribute(attn_wgmma_kernel<E, D>,
                                       cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  attn_wgmma_kernel<E, D><<<grid, kWgThreads, smem, stream>>>(p, maps);
+  launch_kernel(attn_wgmma_kernel<E, D>, grid, kWgThreads, smem, stream, p, maps);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   launch_combine<E, D>(p, stream);
 }
@@ -330,14 +330,14 @@ void launch(const AttnParams& p, cudaStream_t stream) {
       C10_CUDA_CHECK(cudaFuncSetAttribute(attn_f32_kernel<D>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     }
-    attn_f32_kernel<D><<<grid, kThreads, smem, stream>>>(p);
+    launch_kernel(attn_f32_kernel<D>, grid, kThreads, smem, stream, p);
   } else {
     constexpr int smem = MmaTile<D>::SMEM;
     if (smem > 48 * 1024) {  // per launch: attributes are per device
       C10_CUDA_CHECK(cudaFuncSetAttribute(attn_mma_kernel<E, D>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     }
-    attn_mma_kernel<E, D><<<grid, kThreads, smem, stream>>>(p);
+    launch_kernel(attn_mma_kernel<E, D>, grid, kThreads, smem, stream, p);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   launch_combine<E, D>(p, stream);

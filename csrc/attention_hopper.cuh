@@ -287,6 +287,7 @@ __device__ __forceinline__ void wg_loader(const AttnParams& p, const WgMaps& map
 template <class E, int D>
 __global__ void __launch_bounds__(kWgBound, kWgCtasPerSm)
     attn_wgmma_kernel(const __grid_constant__ AttnParams p, const __grid_constant__ WgMaps maps) {
+  pdl_wait();  // launched as a programmatic dependent (common.cuh): the prior grid first
 #if DFLASH_OPS_WGMMA
   using T = WgTile<D>;
   constexpr int S = T::STAGES, NT = T::BN / 8, DT = D / 8;

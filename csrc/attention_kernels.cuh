@@ -63,6 +63,7 @@ using namespace detail;  // common.cuh
 template <class E, int D>
 __global__ void __launch_bounds__(kThreads, 2)
     attn_mma_kernel(const __grid_constant__ AttnParams p) {
+  pdl_wait();  // launched as a programmatic dependent (common.cuh): the prior grid first
   using T = MmaTile<D>;
   constexpr int S = T::STAGES;
   constexpr bool kBF = IsBF16<E>::value;
@@ -181,6 +182,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 template <int D>
 __global__ void __launch_bounds__(kThreads, 1)
     attn_f32_kernel(const __grid_constant__ AttnParams p) {
+  pdl_wait();  // launched as a programmatic dependent (common.cuh): the prior grid first
   using T = F32Tile<D>;
   constexpr int BN = T::BN, RW = T::RW, LD = T::LD;
   constexpr int CL = T::CL, LR = T::LR, PR = T::PR, PC = T::PC;
@@ -345,6 +347,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 template <class E, int D>
 __global__ void __launch_bounds__(32 * kCombineRows)
     combine_kernel(const __grid_constant__ AttnParams p) {
+  pdl_wait();  // launched as a programmatic dependent (common.cuh): the prior grid first
   using Bits = typename E::Bits;
   constexpr int NV = (D + 127) / 128;
   const int lane = threadIdx.x & 31;

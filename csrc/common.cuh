@@ -8,6 +8,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <utility>
 
 namespace dflash_ops {
 namespace detail {
@@ -108,6 +110,16 @@ inline FastDiv make_fast_div(int64_t d) {
   return f;
 }
 
+// Programmatic dependent launch (PDL): a kernel started by launch_kernel() below on sm_90+ may
+// begin while the grid before it in the stream drains; every kernel calls this first, so it
+// waits for that grid (complete, its writes visible) before any global load or store. A no-op
+// when the kernel was not launched as a dependent, and before sm_90.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // One layer's paged K or V cache (kv.cu, context.cu): base pointer and byte strides of
 // [num_blocks, block_size, Hkv].
 struct CacheView {
@@ -119,6 +131,49 @@ struct CacheView {
 // Host side.
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Whether launch_kernel() makes programmatic dependents on the current device: compute capability
+// >= 9 (cached per device) unless DFLASH_OPS_PDL=0 (read once a process; the Triton kernels
+// read it at each launch: set it before the first call).
+inline bool pdl_enabled() {
+  static const bool env_on = [] {
+    const char* v = std::getenv("DFLASH_OPS_PDL");
+    return !(v != nullptr && v[0] == '0' && v[1] == '\0');
+  }();
+  if (!env_on) return false;
+  static int major[64] = {0};  // 0: not asked yet
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  if (major[dev] == 0) {
+    int m = 0;
+    cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, dev);
+    major[dev] = m > 0 ? m : -1;
+  }
+  return major[dev] >= 9;
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent of the grid
+// before it where pdl_enabled() (the kernel must call pdl_wait() first). Launch errors are
+// left for C10_CUDA_KERNEL_LAUNCH_CHECK, as with <<<>>>.
+template <class... KArgs, class... Args>
+inline void launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
+                   cudaStream_t stream, Args&&... args) {
+  if (!pdl_enabled()) {
+    kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
+    return;
+  }
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  (void)cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
 
 }  // namespace detail
 }  // namespace dflash_ops

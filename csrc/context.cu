@@ -163,6 +163,7 @@ __device__ __forceinline__ void scale_units(const LaneUnits<V, NU, NEOX>& lu, fl
 template <class E, int V, int NU, bool NEOX, bool XRMS, int MAXL>
 __global__ void __launch_bounds__(kBlock, V > 1 ? (XRMS ? 4 : 5) : 1)
     context_kv_kernel(const __grid_constant__ ContextParams<MAXL> p, const int tpr_log2) {
+  pdl_wait();  // launched as a programmatic dependent (common.cuh): the prior grid first
   using Bits = typename E::Bits;
   const int layer = blockIdx.y;
   const int tpr = 1 << tpr_log2;
@@ -305,9 +306,11 @@ template <class E, int V, int NU, bool XRMS, int MAXL>
 void launch(const ContextParams<MAXL>& p, bool neox, int tpr_log2, dim3 grid,
             cudaStream_t stream) {
   if (neox) {
-    context_kv_kernel<E, V, NU, true, XRMS, MAXL><<<grid, kBlock, 0, stream>>>(p, tpr_log2);
+    launch_kernel(context_kv_kernel<E, V, NU, true, XRMS, MAXL>, grid, kBlock, 0, stream, p,
+                  tpr_log2);
   } else {
-    context_kv_kernel<E, V, NU, false, XRMS, MAXL><<<grid, kBlock, 0, stream>>>(p, tpr_log2);
+    launch_kernel(context_kv_kernel<E, V, NU, false, XRMS, MAXL>, grid, kBlock, 0, stream, p,
+                  tpr_log2);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -59,6 +59,7 @@ constexpr int64_t kWalkFrom = 2048;
 
 template <class E, int VEC, bool ONE_GROUP, int ROWS>
 __global__ void __launch_bounds__(kThreads) grouped_dyn_conv_kernel(const ConvParams p) {
+  pdl_wait();  // launched as a programmatic dependent (common.cuh): the prior grid first
   using Bits = typename E::Bits;
   using P = Pack<Bits, VEC>;
   const int64_t c = (int64_t(blockIdx.y) * kThreads + threadIdx.x) * VEC;
@@ -179,6 +180,7 @@ __device__ __forceinline__ Pack<typename E::Bits, VEC> norm_pack(
 
 template <class E, int VEC, bool ONE_GROUP>
 __global__ void __launch_bounds__(kNormThreads) conv_add_rms_norm_kernel(const ConvNormParams q) {
+  pdl_wait();  // launched as a programmatic dependent (common.cuh): the prior grid first
   using Bits = typename E::Bits;
   using P = Pack<Bits, VEC>;
   __shared__ float smem[kNormThreads / 32];
@@ -209,6 +211,7 @@ __global__ void __launch_bounds__(kNormThreads) conv_add_rms_norm_kernel(const C
 // residual again).
 template <class E, int VEC, bool ONE_GROUP, int NV>
 __global__ void __launch_bounds__(1024) conv_add_rms_norm_reg_kernel(const ConvNormParams q) {
+  pdl_wait();  // launched as a programmatic dependent (common.cuh): the prior grid first
   using Bits = typename E::Bits;
   using P = Pack<Bits, VEC>;
   __shared__ float smem[32];
@@ -250,7 +253,7 @@ void launch_rows(const ConvParams& p, cudaStream_t stream) {
                     "dflash.grouped_dyn_conv: x of ", p.rows, " rows of ", p.h,
                     " is too large for one launch");
   const dim3 grid(static_cast<unsigned>(row_chunks), static_cast<unsigned>(chunks));
-  grouped_dyn_conv_kernel<E, VEC, ONE_GROUP, ROWS><<<grid, kThreads, 0, stream>>>(p);
+  launch_kernel(grouped_dyn_conv_kernel<E, VEC, ONE_GROUP, ROWS>, grid, kThreads, 0, stream, p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -282,8 +285,9 @@ void run(const ConvParams& p, cudaStream_t stream) {
 template <class E, int VEC, int NV>
 void launch_reg(bool one_group, dim3 grid, unsigned threads, cudaStream_t stream,
                 const ConvNormParams& q) {
-  if (one_group) conv_add_rms_norm_reg_kernel<E, VEC, true, NV><<<grid, threads, 0, stream>>>(q);
-  else conv_add_rms_norm_reg_kernel<E, VEC, false, NV><<<grid, threads, 0, stream>>>(q);
+  if (one_group) launch_kernel(conv_add_rms_norm_reg_kernel<E, VEC, true, NV>, grid, threads, 0,
+                               stream, q);
+  else launch_kernel(conv_add_rms_norm_reg_kernel<E, VEC, false, NV>, grid, threads, 0, stream, q);
 }
 
 template <class E>
@@ -305,11 +309,11 @@ void run_norm(const ConvNormParams& q, cudaStream_t stream) {
     if (nv == 1) launch_reg<E, kVec, 1>(p.group % kVec == 0, grid, th, stream, q);
     else launch_reg<E, kVec, 2>(p.group % kVec == 0, grid, th, stream, q);
   } else if (vec && p.group % kVec == 0) {
-    conv_add_rms_norm_kernel<E, kVec, true><<<grid, kNormThreads, 0, stream>>>(q);
+    launch_kernel(conv_add_rms_norm_kernel<E, kVec, true>, grid, kNormThreads, 0, stream, q);
   } else if (vec) {
-    conv_add_rms_norm_kernel<E, kVec, false><<<grid, kNormThreads, 0, stream>>>(q);
+    launch_kernel(conv_add_rms_norm_kernel<E, kVec, false>, grid, kNormThreads, 0, stream, q);
   } else {
-    conv_add_rms_norm_kernel<E, 1, true><<<grid, kNormThreads, 0, stream>>>(q);
+    launch_kernel(conv_add_rms_norm_kernel<E, 1, true>, grid, kNormThreads, 0, stream, q);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -63,6 +63,7 @@ constexpr int kUnroll = 4;  // vectors a thread
 template <int VB, int MAXL>
 __global__ void __launch_bounds__(kBlock, 5)
     store_kv_kernel(const __grid_constant__ StoreParams<MAXL> p) {
+  pdl_wait();  // launched as a programmatic dependent (common.cuh): the prior grid first
   using Raw = typename RawOf<VB>::type;
   const int kv = blockIdx.y & 1;
   const int layer = blockIdx.y >> 1;
@@ -150,7 +151,7 @@ int vector_bytes(uint64_t bits) {
 
 template <int VB, int MAXL>
 void launch(const StoreParams<MAXL>& p, dim3 grid, cudaStream_t stream) {
-  store_kv_kernel<VB, MAXL><<<grid, kBlock, 0, stream>>>(p);
+  launch_kernel(store_kv_kernel<VB, MAXL>, grid, kBlock, 0, stream, p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -176,6 +176,7 @@ constexpr int kRowsBlock = 256;
 template <class E, int VEC, int NV, bool ADD>
 __global__ void __launch_bounds__(kRowsBlock)
 rms_norm_rows_kernel(const NormParams p, const int tpr_log2) {
+  pdl_wait();  // launched as a programmatic dependent (common.cuh): the prior grid first
   using P = Pack<typename E::Bits, VEC>;
   const int tpr = 1 << tpr_log2;
   const int lane = threadIdx.x & (tpr - 1);
@@ -198,6 +199,7 @@ constexpr int kMaxBlock = 512;  // 128 registers a thread
 // block kernel: one row per block (blockDim.x a multiple of 32, <= 512), NV vectors a thread.
 template <class E, int VEC, int NV, bool ADD>
 __global__ void __launch_bounds__(kMaxBlock) rms_norm_block_kernel(const NormParams p) {
+  pdl_wait();  // launched as a programmatic dependent (common.cuh): the prior grid first
   using P = Pack<typename E::Bits, VEC>;
   __shared__ float smem[32];
   const uint32_t row = blockIdx.x;
@@ -218,6 +220,7 @@ constexpr int kGenericBlock = 256;
 // generic kernel: any D, any row count; rows strided over the grid, 64-bit index math.
 template <class E, bool ADD>
 __global__ void __launch_bounds__(kGenericBlock) rms_norm_generic_kernel(const NormParams p) {
+  pdl_wait();  // launched as a programmatic dependent (common.cuh): the prior grid first
   using Bits = typename E::Bits;
   __shared__ float smem[32];
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
@@ -377,19 +380,26 @@ void launch_vec(const NormParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(s.blocks)), block(static_cast<unsigned>(s.threads));
   if (s.path == Path::kRows) {
     switch (s.nv) {
-      case 1: rms_norm_rows_kernel<E, VEC, 1, ADD><<<grid, block, 0, stream>>>(p, s.tpr_log2); break;
-      case 2: rms_norm_rows_kernel<E, VEC, 2, ADD><<<grid, block, 0, stream>>>(p, s.tpr_log2); break;
-      default: rms_norm_rows_kernel<E, VEC, 4, ADD><<<grid, block, 0, stream>>>(p, s.tpr_log2); break;
+      case 1: launch_kernel(rms_norm_rows_kernel<E, VEC, 1, ADD>, grid, block, 0, stream, p,
+                            s.tpr_log2); break;
+      case 2: launch_kernel(rms_norm_rows_kernel<E, VEC, 2, ADD>, grid, block, 0, stream, p,
+                            s.tpr_log2); break;
+      default: launch_kernel(rms_norm_rows_kernel<E, VEC, 4, ADD>, grid, block, 0, stream, p,
+                             s.tpr_log2); break;
     }
   } else if (s.path == Path::kBlock) {
     switch (s.nv) {
-      case 1: rms_norm_block_kernel<E, VEC, 1, ADD><<<grid, block, 0, stream>>>(p); break;
-      case 2: rms_norm_block_kernel<E, VEC, 2, ADD><<<grid, block, 0, stream>>>(p); break;
-      case 4: rms_norm_block_kernel<E, VEC, 4, ADD><<<grid, block, 0, stream>>>(p); break;
-      default: rms_norm_block_kernel<E, VEC, 8, ADD><<<grid, block, 0, stream>>>(p); break;
+      case 1: launch_kernel(rms_norm_block_kernel<E, VEC, 1, ADD>, grid, block, 0, stream,
+                            p); break;
+      case 2: launch_kernel(rms_norm_block_kernel<E, VEC, 2, ADD>, grid, block, 0, stream,
+                            p); break;
+      case 4: launch_kernel(rms_norm_block_kernel<E, VEC, 4, ADD>, grid, block, 0, stream,
+                            p); break;
+      default: launch_kernel(rms_norm_block_kernel<E, VEC, 8, ADD>, grid, block, 0, stream,
+                             p); break;
     }
   } else {
-    rms_norm_generic_kernel<E, ADD><<<grid, block, 0, stream>>>(p);
+    launch_kernel(rms_norm_generic_kernel<E, ADD>, grid, block, 0, stream, p);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -74,6 +74,7 @@ constexpr int kBlock = 256;
 template <class E, int V, int NU, bool NEOX, bool NORM>
 __global__ void __launch_bounds__(kBlock, (NU == 1 && V > 1) ? 5 : 1)
     rope_kernel(const RopeParams p, const int tpr_log2) {
+  pdl_wait();  // launched as a programmatic dependent (common.cuh): the prior grid first
   using Bits = typename E::Bits;
   const int tpr = 1 << tpr_log2;
   const int lane = threadIdx.x & (tpr - 1);
@@ -160,15 +161,15 @@ struct SetArg {
 };
 
 template <class E, int V, int NU>
-void launch_kernel(const RopeParams& p, bool neox, bool norm, int tpr_log2, unsigned blocks,
-                   cudaStream_t stream) {
+void launch_rope(const RopeParams& p, bool neox, bool norm, int tpr_log2, unsigned blocks,
+                 cudaStream_t stream) {
   const dim3 grid(blocks), block(kBlock);
   if (neox) {
-    norm ? rope_kernel<E, V, NU, true, true><<<grid, block, 0, stream>>>(p, tpr_log2)
-         : rope_kernel<E, V, NU, true, false><<<grid, block, 0, stream>>>(p, tpr_log2);
+    norm ? launch_kernel(rope_kernel<E, V, NU, true, true>, grid, block, 0, stream, p, tpr_log2)
+         : launch_kernel(rope_kernel<E, V, NU, true, false>, grid, block, 0, stream, p, tpr_log2);
   } else {
-    norm ? rope_kernel<E, V, NU, false, true><<<grid, block, 0, stream>>>(p, tpr_log2)
-         : rope_kernel<E, V, NU, false, false><<<grid, block, 0, stream>>>(p, tpr_log2);
+    norm ? launch_kernel(rope_kernel<E, V, NU, false, true>, grid, block, 0, stream, p, tpr_log2)
+         : launch_kernel(rope_kernel<E, V, NU, false, false>, grid, block, 0, stream, p, tpr_log2);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -179,13 +180,13 @@ void launch_dtype(const RopeParams& p, bool vec, int nu, bool neox, bool norm, i
                   unsigned blocks, cudaStream_t stream) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(typename E::Bits));
   if (!vec) {
-    launch_kernel<E, 1, 4>(p, neox, norm, tpr_log2, blocks, stream);
+    launch_rope<E, 1, 4>(p, neox, norm, tpr_log2, blocks, stream);
   } else if constexpr (kVec == 4) {  // fp32: one unit a lane (the host asks for no more)
-    launch_kernel<E, kVec, 1>(p, neox, norm, tpr_log2, blocks, stream);
+    launch_rope<E, kVec, 1>(p, neox, norm, tpr_log2, blocks, stream);
   } else if (nu == 1) {
-    launch_kernel<E, kVec, 1>(p, neox, norm, tpr_log2, blocks, stream);
+    launch_rope<E, kVec, 1>(p, neox, norm, tpr_log2, blocks, stream);
   } else {
-    launch_kernel<E, kVec, 2>(p, neox, norm, tpr_log2, blocks, stream);
+    launch_rope<E, kVec, 2>(p, neox, norm, tpr_log2, blocks, stream);
   }
 }
 

@@ -123,6 +123,7 @@ __device__ __forceinline__ void load_step(const SelectParams& p, int64_t r, int 
 
 template <class E, int DPL, int CPW>
 __global__ void __launch_bounds__(kThreads, 1) select_kernel(const SelectParams p) {
+  pdl_wait();  // launched as a programmatic dependent (common.cuh): the prior grid first
   using Bits = typename E::Bits;
   __shared__ float s_score[kWarps * CPW];
   __shared__ float s_pv[kMaxRank];
@@ -226,7 +227,7 @@ int dt_code(at::ScalarType t) {
 
 template <class E, int DPL, int CPW>
 void launch(const SelectParams& p, int64_t r, cudaStream_t stream) {
-  select_kernel<E, DPL, CPW><<<static_cast<unsigned>(r), kThreads, 0, stream>>>(p);
+  launch_kernel(select_kernel<E, DPL, CPW>, static_cast<unsigned>(r), kThreads, 0, stream, p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

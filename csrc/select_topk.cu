@@ -113,6 +113,7 @@ struct TopkParams {
 
 template <class E>
 __global__ void __launch_bounds__(kThreads) chunk_max_kernel(const TopkParams p) {
+  pdl_wait();  // launched as a programmatic dependent (common.cuh): the prior grid first
   __shared__ float s[kWarps];
   using Bits = typename E::Bits;
   const int64_t m = blockIdx.x / p.nch, c = blockIdx.x % p.nch;
@@ -131,6 +132,7 @@ __global__ void __launch_bounds__(kThreads) chunk_max_kernel(const TopkParams p)
 }
 
 __global__ void __launch_bounds__(kThreads) threshold_kernel(const TopkParams p) {
+  pdl_wait();  // launched as a programmatic dependent (common.cuh): the prior grid first
   __shared__ long long s[kWarps];
   const int64_t m = blockIdx.x;
   const float* cm = p.cmax + m * p.nch;
@@ -150,6 +152,7 @@ __global__ void __launch_bounds__(kThreads) threshold_kernel(const TopkParams p)
 
 template <class E>
 __global__ void __launch_bounds__(kThreads) chunk_topk_kernel(const TopkParams p) {
+  pdl_wait();  // launched as a programmatic dependent (common.cuh): the prior grid first
   __shared__ long long s[kWarps];
   using Bits = typename E::Bits;
   const int64_t m = blockIdx.x / p.nch, c = blockIdx.x % p.nch;
@@ -185,6 +188,7 @@ __global__ void __launch_bounds__(kThreads) chunk_topk_kernel(const TopkParams p
 
 template <class E>
 __global__ void __launch_bounds__(kThreads) merge_kernel(const TopkParams p) {
+  pdl_wait();  // launched as a programmatic dependent (common.cuh): the prior grid first
   __shared__ long long s[kWarps];
   using Bits = typename E::Bits;
   const int64_t m = blockIdx.x;
@@ -212,13 +216,13 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(const TopkParams p) {
 template <class E>
 void run(const TopkParams& p, cudaStream_t stream) {
   const unsigned chunks = static_cast<unsigned>(p.m * p.nch), rows = static_cast<unsigned>(p.m);
-  chunk_max_kernel<E><<<chunks, kThreads, 0, stream>>>(p);
+  launch_kernel(chunk_max_kernel<E>, chunks, kThreads, 0, stream, p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  threshold_kernel<<<rows, kThreads, 0, stream>>>(p);
+  launch_kernel(threshold_kernel, rows, kThreads, 0, stream, p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  chunk_topk_kernel<E><<<chunks, kThreads, 0, stream>>>(p);
+  launch_kernel(chunk_topk_kernel<E>, chunks, kThreads, 0, stream, p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  merge_kernel<E><<<rows, kThreads, 0, stream>>>(p);
+  launch_kernel(merge_kernel<E>, rows, kThreads, 0, stream, p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -61,3 +61,25 @@ def test_every_triton_kernel_waits_first_and_every_launch_passes_pdl():
                     f"{path.name}: a launch of {ast.unparse(node.func.value)} without " \
                     f"**pdl_kwargs(...)"
     assert kernels >= 20 and launches >= kernels, (kernels, launches)
+
+
+CSRC = Path(__file__).resolve().parents[1] / "csrc"
+
+
+def test_every_cuda_kernel_waits_first_and_launches_through_launch_kernel():
+    """csrc/: every __global__ kernel's first statement is pdl_wait() (common.cuh), and no
+    kernel is launched with <<<>>> outside common.cuh's launch_kernel (which makes it a
+    programmatic dependent on sm_90+)."""
+    import re
+
+    kernels = 0
+    for path in sorted(CSRC.glob("*.cu*")):
+        text = path.read_text()
+        for m in re.finditer(r"__global__", text):
+            body = text[text.index("{", m.end()) + 1:].lstrip()
+            kernels += 1
+            assert body.startswith("pdl_wait();"), \
+                f"{path.name}: a kernel at offset {m.start()} does not call pdl_wait() first"
+        if path.name != "common.cuh":
+            assert "<<<" not in text, f"{path.name}: a <<<>>> launch (use launch_kernel)"
+    assert kernels >= 19, kernels

@@ -11,7 +11,8 @@ this one runs.
 
 ``pdl_kwargs(device)``: the launch keywords, PDL on a CUDA device of compute capability >= 9
 unless ``DFLASH_OPS_PDL=0`` (read at each launch, so set it before a graph is captured), off
-in the interpreter and elsewhere.
+in the interpreter and elsewhere. The CUDA kernels do the same through csrc/common.cuh's
+``launch_kernel`` and ``pdl_wait`` (the variable read once a process there).
 """
 from __future__ import annotations
 
