@@ -7,6 +7,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <array>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <utility>
@@ -132,24 +134,35 @@ struct CacheView {
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// Whether launch_kernel() makes programmatic dependents on the current device: compute capability
-// >= 9 (cached per device) unless DFLASH_OPS_PDL=0 (read once a process; the Triton kernels
-// read it at each launch: set it before the first call).
+// Whether launch_kernel() makes programmatic dependents on the current device: the kernels
+// of this binary run there from code compiled for sm_90+ (so pdl_wait() holds the wait: a
+// build whose device code is older PTX, JIT-compiled for the GPU, has kernels without it),
+// unless DFLASH_OPS_PDL=0 (read once a process; the Triton kernels read it at each launch:
+// set it before the first call). Asked once a device of pdl_probe_kernel (static: one a
+// translation unit, all built with the same architectures); a failed query is asked again.
+static __global__ void pdl_probe_kernel() { pdl_wait(); }
+
 inline bool pdl_enabled() {
   static const bool env_on = [] {
     const char* v = std::getenv("DFLASH_OPS_PDL");
     return !(v != nullptr && v[0] == '0' && v[1] == '\0');
   }();
   if (!env_on) return false;
-  static int major[64] = {0};  // 0: not asked yet
+  static std::array<std::atomic<int>, 64> known{};  // 0 unknown, 1 on, 2 off
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
-  if (major[dev] == 0) {
-    int m = 0;
-    cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, dev);
-    major[dev] = m > 0 ? m : -1;
+  int v = known[dev].load();
+  if (v == 0) {
+    cudaFuncAttributes a{};
+    int major = 0;
+    if (cudaFuncGetAttributes(&a, pdl_probe_kernel) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+      return false;  // no answer (the error is left for the caller's checks): ask again later
+    }
+    v = (major >= 9 && a.ptxVersion >= 90) ? 1 : 2;
+    known[dev].store(v);
   }
-  return major[dev] >= 9;
+  return v == 1;
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent of the grid

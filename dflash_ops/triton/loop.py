@@ -211,11 +211,11 @@ def _prepare_step_kernel(rows_ptr, last_ptr, start_ptr, drafts_ptr, ctx_rows_ptr
                          N, R, P, RC, C, fill_id, scratch,
                          B: tl.constexpr, BP: tl.constexpr, HAS_DRAFTS: tl.constexpr,
                          PDL: tl.constexpr):
-    if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
-        tl.extra.cuda.gdc_wait()
     """Program i: block row i (i < P) and context entries [i * B, i * B + B) (< C). Scalars are
     stored as lane 0 of a vector (masked), so every store has one form. Block rows past R, or
     whose state row is outside [0, N), get the padding entry."""
+    if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
+        tl.extra.cuda.gdc_wait()
     i = tl.program_id(0)
     j = tl.arange(0, BP)
     in_b = j < B
