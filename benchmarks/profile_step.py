@@ -1,12 +1,14 @@
 """Where a drafter / verify / decode step spends its GPU time: torch.profiler kernel tables.
 
-    python benchmarks/profile_step.py [--rows 18] [--graph]
+    python benchmarks/profile_step.py [--rows 18] [--graph] [--exact]
         [--cases drafter:1x1024,drafter:8x1024,verify:8x1024,decode:1x1024]
 
 Each case builds the Qwen3-8B-shaped models of the drafter / e2e suites (random bf16 weights),
 runs the step eagerly (default backends) twice to warm up, then profiles 3 steps and prints the
 kernels by self CUDA time (per step) and the step's total. ``--graph`` also profiles the CUDA
-graph replay (kernels inside graphs show up where CUPTI reports them). Needs CUDA.
+graph replay (kernels inside graphs show up where CUPTI reports them). ``--exact``: each
+verify / decode case profiled again in exact mode (speculator.exact_mode), for where exact mode's
+cost goes. Needs CUDA.
 """
 import argparse
 import sys
@@ -59,8 +61,10 @@ def drafter_case(batch: int, context: int, rows: int, graph: bool) -> None:
         run_prof(lambda: step.run(bucket), rows, f"drafter graph B={batch} S={context}")
 
 
-def target_case(kind: str, batch: int, context: int, rows: int, graph: bool, models) -> None:
+def target_case(kind: str, batch: int, context: int, rows: int, graph: bool, models,
+                exact: bool = False) -> None:
     from dflash_ops.bench import e2e
+    from dflash_ops.speculator import exact_mode
 
     target, drafter = models
     b = 16 if kind == "verify" else 1
@@ -75,11 +79,14 @@ def target_case(kind: str, batch: int, context: int, rows: int, graph: bool, mod
     n = torch.full((batch,), b, dtype=torch.long, device=dev)
     ids = torch.randint(0, 1000, (batch * b,), device=dev)
     fn = lambda: target.forward(ids, ra, st, n, None)  # noqa: E731
-    run_prof(fn, rows, f"target {kind} eager B={batch} S={context} ({b} tokens a request)")
-    if graph:
-        from dflash_ops import dispatch
-        g, _ = dispatch.capture_graph(fn)
-        run_prof(g.replay, rows, f"target {kind} graph B={batch} S={context}")
+    mode = " exact" if exact else ""
+    with exact_mode(target, exact):
+        run_prof(fn, rows,
+                 f"target {kind}{mode} eager B={batch} S={context} ({b} tokens a request)")
+        if graph:
+            from dflash_ops import dispatch
+            g, _ = dispatch.capture_graph(fn)
+            run_prof(g.replay, rows, f"target {kind}{mode} graph B={batch} S={context}")
     e2e.release_caches(target, drafter)
 
 
@@ -88,6 +95,8 @@ def main() -> None:
     ap.add_argument("--cases", default="drafter:1x1024,drafter:8x1024,verify:8x1024,decode:1x1024")
     ap.add_argument("--rows", type=int, default=18)
     ap.add_argument("--graph", action="store_true")
+    ap.add_argument("--exact", action="store_true",
+                    help="profile each verify / decode case in exact mode too")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_step.py needs CUDA")
@@ -102,7 +111,8 @@ def main() -> None:
                 from dflash_ops.bench import e2e
                 models = e2e.build_models(e2e.qwen3_8b_target_config(),
                                           e2e.qwen3_8b_dflash_config())
-            target_case(kind, batch, context, a.rows, a.graph, models)
+            for exact in (False, True) if a.exact else (False,):
+                target_case(kind, batch, context, a.rows, a.graph, models, exact)
         else:
             sys.exit(f"--cases: kind must be drafter, verify or decode, got {kind!r}")
         torch.cuda.empty_cache()
