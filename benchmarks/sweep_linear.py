@@ -9,12 +9,14 @@ models.linear up to 1024 (decode: M = batch; draft/verify blocks: M = 16 * batch
 (shape, M): cuBLAS, then a grid of ``ProjCfg`` launches, each checked against F.linear on the
 same inputs before it is timed (CUDA-graph replay over copies of the weight totalling >= 256 MB,
 so each call streams its weight from HBM as in a model; a wrong or failing config is listed,
-never chosen), and exact mode's launch (``models.linear.exact_config``) with and without its
-split. Prints the best few per (shape, M) with their ratio to cuBLAS and to the floor
+never chosen), exact mode's launch (``models.linear.exact_config``) with and without its
+split, and the fastest launch of exact mode's family (``exact_compatible``: same split, wgmma
+tiles), each checked bit for bit against exact mode's default launch before it is timed. Prints the best few per (shape, M) with their ratio to cuBLAS and to the floor
 (max of bytes / copy bandwidth and FLOPs / GEMM rate, measured in the same run); writes every
 measurement to ``--out`` (JSON) and, with ``--write-table``, the winners to
 ``dflash_ops/models/linear_table.json`` (the table models.linear loads at import; entries of
-shapes and M not measured in this run are kept from the previous table).
+shapes and M not measured in this run are kept from the previous table), exact mode's fastest
+launches under its ``exact`` key.
 
     python benchmarks/sweep_linear.py [--quick] [--shapes qkv,o] [--ms 1,16] [--write-table]
 
@@ -59,6 +61,26 @@ def grid(m, tc):
             w = 8 if bm * bn >= 128 * 128 else 4
             for pers in (False, True):
                 yield tc.ProjCfg(bm, bn, 64, 8, w, tc._stages(st, bm, bn, 64, 2), True, pers)
+
+
+def exact_grid(m, n, k, L, tc):
+    """Exact mode's candidate launches for M rows of w [n, k]: its split, wgmma tiles (the
+    family of models.linear.exact_compatible, whose bits session 25's exact_probe measured
+    equal); a program a slice at M <= 64 (split 1: the serial launch), both kinds above."""
+    split = L.exact_split(n, k)
+    if m <= 64:
+        tiles = [(64, bn, bk, 8 if bn == 256 else 4) for bn in (64, 128, 256) for bk in (64, 128)]
+        serials = (split == 1,)
+    else:
+        tiles = [(bm, bn, 64, 8 if bm * bn >= 128 * 128 else 4)
+                 for bm in (64, 128) for bn in (128, 256)]
+        serials = (True,) if split == 1 else (False, True)
+    for (bm, bn, bk, warps), st, tma, serial in itertools.product(tiles, (3, 4), (False, True),
+                                                                  serials):
+        cfg = tc.ProjCfg(bm, bn, bk, 8, warps, tc._stages(st, bm, bn, bk, 2), tma, False,
+                         split, serial)
+        if L.exact_compatible(tuple(cfg), n, k) is None:
+            yield cfg
 
 
 def main():
@@ -142,6 +164,30 @@ def main():
                         ex[key + "_error"] = f"WRONG (rel err {err:.2e})"
                 except Exception as e:  # noqa: BLE001
                     ex[key + "_error"] = f"failed: {type(e).__name__}: {str(e)[:80]}"
+            # exact mode's fastest launch of its family, each checked bit for bit against the
+            # default launch's output on the same inputs (a launch that differs is listed,
+            # never chosen: it would break the row's independence of M)
+            ref = torch.empty(m, n, device="cuda", dtype=bf16)
+            ex_rows = []
+            if ex["exact"] < float("inf"):
+                tc.launch_proj(x, w, None, ref, tc.ProjCfg(*ex["exact_cfg"]))
+                for cfg in dict.fromkeys(exact_grid(m, n, k, L, tc)):
+                    o = torch.empty(m, n, device="cuda", dtype=bf16)
+                    try:
+                        tc.launch_proj(x, w, None, o, cfg)
+                        torch.cuda.synchronize()
+                        if not torch.equal(o.view(torch.int16), ref.view(torch.int16)):
+                            ex_rows.append((float("inf"), cfg, "BITS DIFFER from the default"))
+                            continue
+                        ex_rows.append((t_us(lambda wi: tc.launch_proj(x, wi, None, o, cfg),
+                                             ws), cfg, ""))
+                    except Exception as e:  # noqa: BLE001
+                        ex_rows.append((float("inf"), cfg, f"failed: {type(e).__name__}: "
+                                                           f"{str(e)[:80]}"))
+                ex_rows.sort(key=lambda r: r[0])
+            if ex_rows and ex_rows[0][0] < float("inf"):
+                ex["exact_best"], ex["exact_best_cfg"] = ex_rows[0][0], list(ex_rows[0][1])
+            ex["exact_bits_differ"] = sum(r[2].startswith("BITS") for r in ex_rows)
             print(f"\n{name} M={m} N={n} K={k}: cuBLAS {lin:.1f} us ({lin / fl:.2f}x floor "
                   f"{fl:.1f} us); best triton {best_us:.1f} us ({best_us / lin:.2f}x cuBLAS) "
                   f"[{time.time() - t0:.0f} s]", flush=True)
@@ -154,6 +200,13 @@ def main():
                   f"{'serial' if ec[9] else 'a program a slice'}); without the split "
                   f"{ex['exact_nosplit']:.1f} us {ex.get('exact_error', '')} "
                   f"{ex.get('exact_nosplit_error', '')}", flush=True)
+            if "exact_best" in ex:
+                print(f"   exact, fastest of {len(ex_rows)} launches of its family: "
+                      f"{ex['exact_best']:.1f} us ({ex['exact_best'] / lin:.2f}x cuBLAS, "
+                      f"{ex['exact_best'] / fl:.2f}x floor) {tuple(ex['exact_best_cfg'])}; "
+                      f"{ex['exact_bits_differ']} gave other bits", flush=True)
+            for us, cfg, note in [r for r in ex_rows if r[2]][:3]:
+                print(f"   exact candidate {cfg}: {note}", flush=True)
             entries.append(dict(name=name, n=n, k=k, m=m, cublas_us=lin, floor_us=fl,
                                 triton_us=best_us if best_us < float("inf") else None,
                                 cfg=list(best) if best_us < float("inf") else None, **ex))
@@ -172,10 +225,21 @@ def main():
         old = (json.loads(L.TABLE_PATH.read_text()).get("entries", [])
                if L.TABLE_PATH.exists() else [])
         kept = [e for e in old if (e["n"], e["k"], e["m"]) not in done]
-        L.TABLE_PATH.write_text(json.dumps(dict(env=doc["env"], entries=keep + kept), indent=1,
+        # exact mode: the fastest launch of its family at every M bucket measured (kept even
+        # where the default launch is as fast: the choice is measured either way)
+        exact = [dict(name=e["name"], n=e["n"], k=e["k"], m=e["m"], cfg=e["exact_best_cfg"],
+                      us=e["exact_best"], default_us=e["exact"], cublas_us=e["cublas_us"],
+                      measured=f"{doc['env'].get('date')} {doc['env'].get('commit')}")
+                 for e in entries if "exact_best_cfg" in e and e["m"] in L.M_BUCKETS]
+        old_exact = (json.loads(L.TABLE_PATH.read_text()).get("exact", [])
+                     if L.TABLE_PATH.exists() else [])
+        exact += [e for e in old_exact if (e["n"], e["k"], e["m"]) not in done]
+        L.TABLE_PATH.write_text(json.dumps(dict(env=doc["env"], entries=keep + kept,
+                                                exact=exact), indent=1,
                                            default=str))
         print(f"wrote {L.TABLE_PATH} ({len(keep)} Triton wins of {len(entries)} shapes measured,"
-              f" {len(kept)} entries kept from the previous table)")
+              f" {len(kept)} entries kept from the previous table; {len(exact)} exact-mode "
+              f"entries)")
     return 0
 
 

@@ -118,6 +118,57 @@ def test_exact_serial_by_modelled_time():
     assert L.exact_serial(1, *o, 8, 16)  # a small GPU: 32 tiles already fill 16 SMs
 
 
+def test_exact_compatible_family():
+    """Exact mode's launches per M stay in the family whose bits are the split's alone: its
+    split, wgmma tiles (>= 64 rows), BLOCK_K 64 / 128 with the same slice bounds."""
+    o, dn = (4096, 4096), (4096, 12288)
+
+    def cfg(bm=64, bn=128, bk=64, warps=4, split=8, serial=False, tma=False):
+        return (bm, bn, bk, 8, warps, 3, tma, False, split, serial)
+
+    for c in (cfg(), cfg(128, 256, 64, 8, serial=True, tma=True), cfg(64, 64, 128)):
+        assert L.exact_compatible(c, *o) is None and L.exact_compatible(c, *dn) is None
+    assert "split 4" in L.exact_compatible(cfg(split=4), *o)
+    assert "BLOCK_M 16" in L.exact_compatible(cfg(bm=16), *o)
+    assert "BLOCK_K 256" in L.exact_compatible(cfg(bk=256), *o)
+    lm = (151936, 4096)  # split 1: only the split-K kernel's serial launch
+    assert "without serial" in L.exact_compatible(cfg(split=1), *lm)
+    assert L.exact_compatible(cfg(split=1, serial=True), *lm) is None
+    # K 2880 in 8 slices: 384 with BLOCK_K 64, 384 with 128, but 2880 % 128 leaves a tail
+    assert L.exact_split(4096, 2880) == 8
+    assert "BLOCK_K 128" in L.exact_compatible(cfg(bk=128), 4096, 2880)
+    # K 1600 in 4 slices: 448 with BLOCK_K 64, 512 with 128 (the bounds move)
+    assert L.exact_split(4096, 1600) == 4
+    assert L._slice_len(1600, 4, 64) != L._slice_len(1600, 4, 128)
+    assert "BLOCK_K 128" in L.exact_compatible(cfg(bk=128, split=4), 4096, 1600)
+
+
+def test_exact_table_parse_and_lookup(monkeypatch):
+    """The table's exact entries load (an incompatible one is an error naming the entry), and
+    exact_config takes the entry of M's bucket where the table holds, else the default."""
+    good = [64, 256, 128, 8, 8, 3, True, False, 8, False]
+    doc = {"exact": [dict(n=4096, k=4096, m=1, cfg=good),
+                     dict(n=4096, k=4096, m=512, cfg=[128, 256, 64, 8, 8, 4, True, False, 8,
+                                                      True])]}
+    t = L.parse_exact(doc)
+    assert t[(4096, 4096)][1] == tuple(good) and t[(4096, 4096)][512][9] is True
+    with pytest.raises(ValueError, match="N 4096, K 4096, M 16: split 4"):
+        L.parse_exact({"exact": [dict(n=4096, k=4096, m=16, cfg=good[:8] + [4, False])]})
+    with pytest.raises(ValueError, match="10-field cfg"):
+        L.parse_exact({"exact": [dict(n=4096, k=4096, m=16, cfg=good[:9])]})
+    pytest.importorskip("triton")
+    monkeypatch.setattr(L, "EXACT_TABLE", t)
+    monkeypatch.setattr(L, "table_applies", lambda device: True)
+    import dflash_ops.triton.context as tc
+    monkeypatch.setattr(tc, "sm_count", lambda index: 132)
+    dev = torch.device("cuda", 0)
+    assert tuple(L.exact_config(1, 4096, 4096, dev)) == tuple(good)
+    assert L.exact_config(300, 4096, 4096, dev).bm == 128  # bucket 512
+    assert tuple(L.exact_config(16, 4096, 4096, dev))[:8] == L.EXACT_CFG  # no entry: default
+    monkeypatch.setattr(L, "table_applies", lambda device: False)
+    assert tuple(L.exact_config(1, 4096, 4096, dev))[:8] == L.EXACT_CFG  # another GPU
+
+
 def test_linear_exact_is_the_torch_path_off_cuda():
     x, w = torch.randn(5, 32), torch.randn(48, 32)
     assert torch.equal(linear(x, w, exact=True), linear(x, w))
@@ -157,6 +208,31 @@ def test_linear_exact_rows_do_not_depend_on_m_gpu(n, k):
     for _ in range(2):
         g.replay()
         assert torch.equal(got, full[:16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", [(4096, 4096), (96, 64), (4096, 12288), (1280, 5120)])
+def test_linear_exact_table_tiles_keep_the_bits_gpu(n, k, monkeypatch):
+    """Exact mode's table may give each M bucket another launch of the family
+    (exact_compatible); rows must keep their bits across them: an M 1 call on a 64 x 256
+    BLOCK_K 128 TMA tile, 16 rows on 64 x 64, 300 rows serial on 128 x 256 with 8 warps,
+    each equal to the default launch's rows (shapes of split 8 and of split 1)."""
+    torch.manual_seed(1)
+    x = torch.randn(300, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    want = linear(x, w, None, exact=True)  # the shipped table's launches (or the default)
+    split = L.exact_split(n, k)
+    few = split == 1  # one slice: the serial launch at every M
+    cfgs = {1: (64, 256, 128, 8, 8, 3, True, False, split, few),
+            16: (64, 64, 64, 8, 4, 4, False, False, split, few),
+            512: (128, 256, 64, 8, 8, 3, True, False, split, True)}
+    cfgs = {m: c for m, c in cfgs.items() if L.exact_compatible(c, n, k) is None}
+    assert len(cfgs) >= 2, "the shape admits too few of the family to test"
+    monkeypatch.setattr(L, "EXACT_TABLE", {(n, k): cfgs})
+    monkeypatch.setattr(L, "table_applies", lambda device: True)
+    for m in (1, 16, 300):
+        assert torch.equal(linear(x[:m], w, None, exact=True), want[:m]), (m, cfgs.get(
+            L.m_bucket(m)))
 
 
 @pytest.mark.gpu

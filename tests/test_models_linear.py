@@ -3,6 +3,8 @@ rules that keep CPU and fp32 calls on F.linear) and, on the GPU, the Triton path
 F.linear."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -31,11 +33,23 @@ def test_parse_table_keeps_only_triton_wins():
 
 
 def test_parse_table_rejects_a_short_cfg():
-    with pytest.raises(ValueError, match="8- or 9-field cfg .* got 5 fields"):
+    with pytest.raises(ValueError, match="8- to 10-field cfg .* got 5 fields"):
         L.parse_table(_doc((4096, 4096, 16, CFG[:5], 20.0, 25.0)))
-    # the ninth field (split) is accepted
+    # the ninth and tenth fields (split, serial: sweep_linear writes all ten) are accepted
     assert L.parse_table(_doc((4096, 4096, 16, CFG + [4], 20.0, 25.0))) == \
         {(4096, 4096): {16: tuple(CFG + [4])}}
+    assert L.parse_table(_doc((4096, 4096, 16, CFG + [4, False], 20.0, 25.0))) == \
+        {(4096, 4096): {16: tuple(CFG + [4, False])}}
+    with pytest.raises(ValueError, match="got 11 fields"):
+        L.parse_table(_doc((4096, 4096, 16, CFG + [4, False, 1], 20.0, 25.0)))
+
+
+def test_shipped_table_loads():
+    """The committed linear_table.json parses (a field added to ProjCfg once made the sweep
+    write 10-field entries the parser refused: every import of models.linear failed)."""
+    doc = json.loads(L.TABLE_PATH.read_text())
+    assert L.parse_table(doc) == L.TABLE and L.parse_exact(doc) == L.EXACT_TABLE
+    assert L.TABLE, "the shipped table has no Triton entry"
 
 
 def test_choice_is_the_table_on_cuda_half_else_cublas(monkeypatch):
@@ -108,7 +122,7 @@ def test_the_table_holds_only_on_the_gpu_it_was_measured_on(monkeypatch):
     assert L.choice(16, 64, 32, torch.bfloat16, cuda, graph=True) is None  # cuBLAS elsewhere
     monkeypatch.setattr(L, "_device_name", lambda i: "NVIDIA H200")
     assert L.choice(16, 64, 32, torch.bfloat16, cuda, graph=True) == tuple(CFG)
-    assert L._load()[1] == "NVIDIA H200"  # the shipped table names its GPU
+    assert L._load()[2] == "NVIDIA H200"  # the shipped table names its GPU
 
 
 @pytest.mark.gpu

@@ -14,13 +14,18 @@ row's result does not depend on how many rows share the call (cuBLAS picks its a
 split-K included, by M): every output is the same fp32 sum of the same slice partials in slice
 order. Only where the slices run changes with M: a program a slice while the tiles are too few
 to fill the GPU (a one-row decode streams the weight on every SM), a program a tile summing
-its slices in turn otherwise (no partials through memory).
+its slices in turn otherwise (no partials through memory). The tile may change with M too,
+within the family whose bits depend on the slices alone (``exact_compatible``: wgmma tiles of
+>= 64 rows, the same split and slice bounds; measured bit-equal on the H200 by
+``benchmarks/exact_probe.py`` and checked again by the sweep that picks them): the table's
+``exact`` entries give the fastest such launch per M bucket.
 
 ``TABLE`` comes from ``linear_table.json`` next to this file, written by
 ``benchmarks/sweep_linear.py --write-table`` from measurements on the H200 (each entry: the
-config and both times); without the file, or on a GPU other than the one it names, every
-layer uses cuBLAS. The choice depends on shapes
-only, so a captured graph replays with any values.
+config and both times; ``exact``: exact mode's fastest launch per shape and M bucket); without
+the file, or on a GPU other than the one it names, every layer uses cuBLAS and exact mode its
+one default launch. The choice depends on shapes only, so a captured graph replays with any
+values.
 """
 from __future__ import annotations
 
@@ -46,8 +51,10 @@ EXACT_MAX_SPLIT = 8
 EXACT_MIN_PROGRAMS = 256  # ~2 a SM on the H200's 132
 EXACT_MIN_SLICE_STEPS = 4  # BLOCK_K steps a slice at least
 
-# (N, K) -> {m_bucket: ProjCfg fields (bm, bn, bk, gm, warps, stages, tma, persistent[, split])}
-# (split > 1: the split-K kernel: K in slices, the tile's last program sums the fp32 partials)
+# (N, K) -> {m_bucket: ProjCfg fields (bm, bn, bk, gm, warps, stages, tma, persistent[, split[,
+# serial]])}
+# (split > 1: the split-K kernel: K in slices, the tile's last program sums the fp32 partials);
+# exact mode's table: all ten fields (split and serial too)
 Table = Dict[Tuple[int, int], Dict[int, tuple]]
 
 
@@ -67,26 +74,38 @@ def parse_table(doc: dict) -> Table:
         cfg = e.get("cfg")
         if cfg is None or not e["triton_us"] < e["cublas_us"]:
             continue
-        if len(cfg) not in (8, 9):
-            raise ValueError(f"{TABLE_PATH.name}: entry {e} needs an 8- or 9-field cfg "
-                             f"(bm, bn, bk, gm, warps, stages, tma, persistent[, split]), "
-                             f"got {len(cfg)} fields")
+        if len(cfg) not in (8, 9, 10):
+            raise ValueError(f"{TABLE_PATH.name}: entry {e} needs an 8- to 10-field cfg "
+                             f"(bm, bn, bk, gm, warps, stages, tma, persistent[, split[, "
+                             f"serial]]), got {len(cfg)} fields")
         table.setdefault((int(e["n"]), int(e["k"])), {})[int(e["m"])] = tuple(cfg)
     return table
 
 
-def _load() -> Tuple[Table, Optional[str]]:
+def parse_exact(doc: dict) -> Table:
+    """The document's ``exact`` entries ({"n", "k", "m", "cfg": [10 ProjCfg fields], ...}) as
+    a lookup table; an entry outside exact mode's family (``exact_compatible``) is an error:
+    it would give a row other bits at that M."""
+    table: Table = {}
+    for e in doc.get("exact", []):
+        cfg, n, k = e.get("cfg"), int(e["n"]), int(e["k"])
+        if cfg is None or len(cfg) != 10:
+            raise ValueError(f"{TABLE_PATH.name}: exact entry {e} needs a 10-field cfg "
+                             f"(bm, bn, bk, gm, warps, stages, tma, persistent, split, serial)")
+        why = exact_compatible(tuple(cfg), n, k)
+        if why:
+            raise ValueError(f"{TABLE_PATH.name}: exact entry for N {n}, K {k}, M {e['m']}: "
+                             f"{why}")
+        table.setdefault((n, k), {})[int(e["m"])] = tuple(cfg)
+    return table
+
+
+def _load() -> Tuple[Table, Table, Optional[str]]:
     if not TABLE_PATH.exists():
-        return {}, None
+        return {}, {}, None
     with open(TABLE_PATH) as f:
         doc = json.load(f)
-    return parse_table(doc), doc.get("env", {}).get("gpu")
-
-
-# the table and the GPU it was measured on (its env's "gpu", torch.cuda.get_device_name):
-# its configs are that GPU's winners, so on another GPU every layer runs cuBLAS (an H200
-# split-K or tile choice can lose to cuBLAS elsewhere, and sm_80 has no TMA)
-TABLE, TABLE_GPU = _load()
+    return parse_table(doc), parse_exact(doc), doc.get("env", {}).get("gpu")
 
 
 @functools.lru_cache(maxsize=None)
@@ -136,6 +155,34 @@ def exact_split(n: int, k: int) -> int:
     return split
 
 
+def _slice_len(k: int, split: int, bk: int) -> int:
+    """The split-K kernel's slice length (triton.context.launch_proj: whole BLOCK_K steps)."""
+    return -(-(-(-k // split)) // bk) * bk
+
+
+def exact_compatible(cfg: tuple, n: int, k: int) -> Optional[str]:
+    """Why the launch ``cfg`` (ProjCfg fields) cannot be exact mode's for w [n, k], or None if
+    it can: exact_split's split, a wgmma tile (BLOCK_M >= 64: each output a chain of k16 MMAs
+    from zero a slice; 16-row tiles run mma.sync, not measured), the split-K kernel (at split 1
+    its serial launch, as exact mode's default), BLOCK_K 64 or 128 with the default's slice
+    bounds and no masked tail of its own. Within this family a row's bits are
+    the split's alone (measured: benchmarks/exact_probe.py, session 25)."""
+    bm, bk, split = cfg[0], cfg[2], cfg[8] if len(cfg) > 8 else 1
+    want = exact_split(n, k)
+    if split != want:
+        return f"split {split}, exact mode's for this shape is {want}"
+    if split == 1 and not (len(cfg) > 9 and cfg[9]):
+        return "split 1 without serial (the plain GEMM kernel, not the split-K one)"
+    if bm < 64:
+        return f"BLOCK_M {bm} < 64 (not a wgmma tile)"
+    if bk not in (64, 128):
+        return f"BLOCK_K {bk} not 64 or 128"
+    base = EXACT_CFG[2]
+    if bk != base and (_slice_len(k, split, bk) != _slice_len(k, split, base) or k % bk):
+        return f"BLOCK_K {bk} moves the slice bounds or the tail of K {k} (split {split})"
+    return None
+
+
 def exact_serial(m: int, n: int, k: int, split: int, sms: int) -> bool:
     """Whether exact mode sums a tile's slices in one program (True) or runs a program a slice
     (False): the one with the smaller modelled time, bytes over the fraction of the ``sms``
@@ -153,13 +200,24 @@ def exact_serial(m: int, n: int, k: int, split: int, sms: int) -> bool:
 
 
 def exact_config(m: int, n: int, k: int, device: torch.device):
-    """Exact mode's launch for x [m, k] @ w [n, k]^T on ``device`` (a ProjCfg): EXACT_CFG's
-    tile, exact_split(n, k) slices, serial or not by exact_serial."""
+    """Exact mode's launch for x [m, k] @ w [n, k]^T on ``device`` (a ProjCfg): the table's
+    ``exact`` entry for M's bucket where the table holds on this GPU, else EXACT_CFG's tile,
+    exact_split(n, k) slices, serial or not by exact_serial. Any of them gives the same bits."""
     from ..triton.context import ProjCfg, sm_count  # here: triton may be absent off CUDA
 
+    cfg = EXACT_TABLE.get((n, k), {}).get(m_bucket(m))
+    if cfg is not None and table_applies(device):
+        return ProjCfg(*cfg)
     split = exact_split(n, k)
     sms = sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return ProjCfg(*EXACT_CFG, split=split, serial=exact_serial(m, n, k, split, sms))
+
+
+# the tables and the GPU they were measured on (the env's "gpu", torch.cuda.get_device_name):
+# their configs are that GPU's winners, so on another GPU every layer runs cuBLAS and exact
+# mode its default launch (an H200 split-K or tile choice can lose to cuBLAS elsewhere, and
+# sm_80 has no TMA)
+TABLE, EXACT_TABLE, TABLE_GPU = _load()
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None,
