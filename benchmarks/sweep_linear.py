@@ -11,8 +11,8 @@ same inputs before it is timed (CUDA-graph replay over copies of the weight tota
 so each call streams its weight from HBM as in a model; a wrong or failing config is listed,
 never chosen), exact mode's launch (``models.linear.exact_config``) with and without its
 split, and the fastest launch of exact mode's family (``exact_compatible``: same split, wgmma
-tiles), each checked bit for bit against exact mode's default launch before it is timed. Prints the best few per (shape, M) with their ratio to cuBLAS and to the floor
-(max of bytes / copy bandwidth and FLOPs / GEMM rate, measured in the same run); writes every
+tiles), each checked bit for bit against exact mode's default launch before it is timed.
+Prints the best few per (shape, M) with their ratio to cuBLAS and to the floor / copy bandwidth and FLOPs / GEMM rate, measured in the same run); writes every
 measurement to ``--out`` (JSON) and, with ``--write-table``, the winners to
 ``dflash_ops/models/linear_table.json`` (the table models.linear loads at import; entries of
 shapes and M not measured in this run are kept from the previous table), exact mode's fastest
@@ -118,6 +118,42 @@ def main():
         calls = 16 * len(sets) if len(sets) > 1 else 16
         return time_fn(fn, rotate=sets, graph=True, warmup_ms=5, rep_ms=40, calls=calls)["us"]
 
+    def write(entries):
+        """Every measurement so far to --out and (--write-table) the table: after each
+        shape, so a run cut short keeps the shapes it finished."""
+        env = env_info()
+        doc = dict(env=env, floors=floors, entries=entries)
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(doc, indent=1, default=str))
+        print(f"wrote {a.out}")
+        if a.write_table:
+            # a Triton entry needs a 2% win (a tie is noise: cuBLAS stays)
+            keep = [e for e in entries if e["cfg"] is not None
+                    and e["triton_us"] < 0.98 * e["cublas_us"] and e["m"] in L.M_BUCKETS]
+            for e in keep:
+                e["measured"] = f"{doc['env'].get('date')} {doc['env'].get('commit')}"
+            # (N, K, M) not measured in this run keep their entry from the table on disk
+            done = {(e["n"], e["k"], e["m"]) for e in entries}
+            old = (json.loads(L.TABLE_PATH.read_text()).get("entries", [])
+                   if L.TABLE_PATH.exists() else [])
+            kept = [e for e in old if (e["n"], e["k"], e["m"]) not in done]
+            # exact mode: the fastest launch of its family at every M bucket measured (kept
+            # even where the default launch is as fast: the choice is measured either way)
+            exact = [dict(name=e["name"], n=e["n"], k=e["k"], m=e["m"],
+                          cfg=e["exact_best_cfg"], us=e["exact_best"], default_us=e["exact"],
+                          cublas_us=e["cublas_us"],
+                          measured=f"{doc['env'].get('date')} {doc['env'].get('commit')}")
+                     for e in entries if "exact_best_cfg" in e and e["m"] in L.M_BUCKETS]
+            old_exact = (json.loads(L.TABLE_PATH.read_text()).get("exact", [])
+                         if L.TABLE_PATH.exists() else [])
+            exact += [e for e in old_exact if (e["n"], e["k"], e["m"]) not in done]
+            L.TABLE_PATH.write_text(json.dumps(dict(env=doc["env"], entries=keep + kept,
+                                                    exact=exact), indent=1,
+                                               default=str))
+            print(f"wrote {L.TABLE_PATH} ({len(keep)} Triton wins of {len(entries)} shapes "
+                  f"measured, {len(kept)} entries kept from the previous table; {len(exact)} "
+                  f"exact-mode entries)")
+
     entries, t0 = [], time.time()
     for name in shapes:
         n, k = SHAPES[name]
@@ -210,36 +246,7 @@ def main():
             entries.append(dict(name=name, n=n, k=k, m=m, cublas_us=lin, floor_us=fl,
                                 triton_us=best_us if best_us < float("inf") else None,
                                 cfg=list(best) if best_us < float("inf") else None, **ex))
-    doc = dict(env=env_info(), floors=floors, entries=entries)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(doc, indent=1, default=str))
-    print(f"wrote {a.out}")
-    if a.write_table:
-        # a Triton entry needs a 2% win (a tie is noise: cuBLAS stays)
-        keep = [e for e in entries if e["cfg"] is not None
-                and e["triton_us"] < 0.98 * e["cublas_us"] and e["m"] in L.M_BUCKETS]
-        for e in keep:
-            e["measured"] = f"{doc['env'].get('date')} {doc['env'].get('commit')}"
-        # (N, K, M) not measured in this run keep their entry from the table on disk
-        done = {(e["n"], e["k"], e["m"]) for e in entries}
-        old = (json.loads(L.TABLE_PATH.read_text()).get("entries", [])
-               if L.TABLE_PATH.exists() else [])
-        kept = [e for e in old if (e["n"], e["k"], e["m"]) not in done]
-        # exact mode: the fastest launch of its family at every M bucket measured (kept even
-        # where the default launch is as fast: the choice is measured either way)
-        exact = [dict(name=e["name"], n=e["n"], k=e["k"], m=e["m"], cfg=e["exact_best_cfg"],
-                      us=e["exact_best"], default_us=e["exact"], cublas_us=e["cublas_us"],
-                      measured=f"{doc['env'].get('date')} {doc['env'].get('commit')}")
-                 for e in entries if "exact_best_cfg" in e and e["m"] in L.M_BUCKETS]
-        old_exact = (json.loads(L.TABLE_PATH.read_text()).get("exact", [])
-                     if L.TABLE_PATH.exists() else [])
-        exact += [e for e in old_exact if (e["n"], e["k"], e["m"]) not in done]
-        L.TABLE_PATH.write_text(json.dumps(dict(env=doc["env"], entries=keep + kept,
-                                                exact=exact), indent=1,
-                                           default=str))
-        print(f"wrote {L.TABLE_PATH} ({len(keep)} Triton wins of {len(entries)} shapes measured,"
-              f" {len(kept)} entries kept from the previous table; {len(exact)} exact-mode "
-              f"entries)")
+        write(entries)
     return 0
 
 
