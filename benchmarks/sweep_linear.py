@@ -12,8 +12,9 @@ so each call streams its weight from HBM as in a model; a wrong or failing confi
 never chosen), exact mode's launch (``models.linear.exact_config``) with and without its
 split, and the fastest launch of exact mode's family (``exact_compatible``: same split, wgmma
 tiles), each checked bit for bit against exact mode's default launch before it is timed.
-Prints the best few per (shape, M) with their ratio to cuBLAS and to the floor / copy bandwidth and FLOPs / GEMM rate, measured in the same run); writes every
-measurement to ``--out`` (JSON) and, with ``--write-table``, the winners to
+Prints the best few per (shape, M) with their ratio to cuBLAS and to the floor (max of bytes /
+copy bandwidth and FLOPs / GEMM rate, measured in the same run); writes every measurement to
+``--out`` (JSON) and, with ``--write-table``, the winners to
 ``dflash_ops/models/linear_table.json`` (the table models.linear loads at import; entries of
 shapes and M not measured in this run are kept from the previous table), exact mode's fastest
 launches under its ``exact`` key.
