@@ -147,7 +147,10 @@ def main():
                      for e in entries if "exact_best_cfg" in e and e["m"] in L.M_BUCKETS]
             old_exact = (json.loads(L.TABLE_PATH.read_text()).get("exact", [])
                          if L.TABLE_PATH.exists() else [])
-            exact += [e for e in old_exact if (e["n"], e["k"], e["m"]) not in done]
+            # old entries still in exact mode's family (a changed EXACT_CFG or split rule
+            # retires them)
+            exact += [e for e in old_exact if (e["n"], e["k"], e["m"]) not in done
+                      and L.exact_compatible(tuple(e["cfg"]), e["n"], e["k"]) is None]
             L.TABLE_PATH.write_text(json.dumps(dict(env=doc["env"], entries=keep + kept,
                                                     exact=exact), indent=1,
                                                default=str))
@@ -184,10 +187,11 @@ def main():
                                                     f"{str(ex)[:80]}"))
             rows.sort(key=lambda r: r[0])
             best_us, best = rows[0][0], rows[0][1]
-            # exact mode's launch (models.linear.exact_config: one tile and split per shape,
-            # serial or not by M) and the same tile without the split (session 21's)
+            # exact mode's default launch (models.linear.exact_default: one tile and split per
+            # shape, serial or not by M; not the table's pick) and the same tile without the
+            # split (session 21's)
             ex = {}
-            for key, cfg in (("exact", L.exact_config(m, n, k, x.device)),
+            for key, cfg in (("exact", L.exact_default(m, n, k, x.device)),
                              ("exact_nosplit", tc.ProjCfg(*L.EXACT_CFG))):
                 o = torch.empty(m, n, device="cuda", dtype=bf16)
                 ex[key], ex[key + "_cfg"] = float("inf"), list(cfg)

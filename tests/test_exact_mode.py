@@ -129,7 +129,9 @@ def test_exact_compatible_family():
     for c in (cfg(), cfg(128, 256, 64, 8, serial=True, tma=True), cfg(64, 64, 128)):
         assert L.exact_compatible(c, *o) is None and L.exact_compatible(c, *dn) is None
     assert "split 4" in L.exact_compatible(cfg(split=4), *o)
-    assert "BLOCK_M 16" in L.exact_compatible(cfg(bm=16), *o)
+    assert "tile 16 x 128" in L.exact_compatible(cfg(bm=16), *o)
+    assert "tile 64 x 32" in L.exact_compatible(cfg(bn=32), *o)
+    assert "2 warps" in L.exact_compatible(cfg(warps=2), *o)  # mma.sync, not wgmma
     assert "BLOCK_K 256" in L.exact_compatible(cfg(bk=256), *o)
     lm = (151936, 4096)  # split 1: only the split-K kernel's serial launch
     assert "without serial" in L.exact_compatible(cfg(split=1), *lm)
@@ -152,10 +154,14 @@ def test_exact_table_parse_and_lookup(monkeypatch):
                                                       True])]}
     t = L.parse_exact(doc)
     assert t[(4096, 4096)][1] == tuple(good) and t[(4096, 4096)][512][9] is True
-    with pytest.raises(ValueError, match="N 4096, K 4096, M 16: split 4"):
-        L.parse_exact({"exact": [dict(n=4096, k=4096, m=16, cfg=good[:8] + [4, False])]})
-    with pytest.raises(ValueError, match="10-field cfg"):
-        L.parse_exact({"exact": [dict(n=4096, k=4096, m=16, cfg=good[:9])]})
+    bad = [dict(n=4096, k=4096, m=16, cfg=good[:8] + [4, False]),  # another split
+           dict(n=4096, k=4096, m=16, cfg=good[:9]),  # nine fields
+           dict(n=4096, k=4096, m=17, cfg=good)]  # not a bucket
+    for e, match in zip(bad, ("N 4096, K 4096, M 16: split 4", "10-field cfg", "M 17 is not")):
+        with pytest.raises(ValueError, match=match):
+            L.parse_exact({"exact": [e]}, strict=True)
+        with pytest.warns(UserWarning, match=match):  # at import: left out, not fatal
+            assert L.parse_exact({"exact": doc["exact"] + [e]}) == t
     pytest.importorskip("triton")
     monkeypatch.setattr(L, "EXACT_TABLE", t)
     monkeypatch.setattr(L, "table_applies", lambda device: True)
@@ -217,15 +223,17 @@ def test_linear_exact_table_tiles_keep_the_bits_gpu(n, k, monkeypatch):
     (exact_compatible); rows must keep their bits across them: an M 1 call on a 64 x 256
     BLOCK_K 128 TMA tile, 16 rows on 64 x 64, 300 rows serial on 128 x 256 with 8 warps,
     each equal to the default launch's rows (shapes of split 8 and of split 1)."""
+    from dflash_ops.triton.context import _stages
     torch.manual_seed(1)
     x = torch.randn(300, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-    want = linear(x, w, None, exact=True)  # the shipped table's launches (or the default)
+    monkeypatch.setattr(L, "EXACT_TABLE", {})
+    want = linear(x, w, None, exact=True)  # the default launch at every M
     split = L.exact_split(n, k)
     few = split == 1  # one slice: the serial launch at every M
-    cfgs = {1: (64, 256, 128, 8, 8, 3, True, False, split, few),
+    cfgs = {1: (64, 256, 128, 8, 8, _stages(3, 64, 256, 128, 2), True, False, split, few),
             16: (64, 64, 64, 8, 4, 4, False, False, split, few),
-            512: (128, 256, 64, 8, 8, 3, True, False, split, True)}
+            512: (128, 256, 64, 8, 8, _stages(3, 128, 256, 64, 2), True, False, split, True)}
     cfgs = {m: c for m, c in cfgs.items() if L.exact_compatible(c, n, k) is None}
     assert len(cfgs) >= 2, "the shape admits too few of the family to test"
     monkeypatch.setattr(L, "EXACT_TABLE", {(n, k): cfgs})
