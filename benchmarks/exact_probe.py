@@ -1,8 +1,8 @@
 """Which GEMM launches give exact mode's bits (issue 19): a question for the GPU, not a contract.
 
-Exact mode needs a row's logits independent of the rows sharing the call. Today it fixes the
-whole launch per (N, K) (``models.linear.exact_config``: one tile, one split, serial or not by
-M). If the bits depend only on the split and the order of the k16 MMA steps, not on the tile
+Exact mode needs a row's logits independent of the rows sharing the call. Its default launch
+fixes the whole launch per (N, K) (``models.linear.exact_default``: one tile, one split, serial
+or not by M; session 25's answer below let the table pick a tile per M). If the bits depend only on the split and the order of the k16 MMA steps, not on the tile
 (BLOCK_M / N / K, warps, stages, TMA or pointers), exact mode could take a large-M tile at the
 verify's 512 rows (its +41% at 32 x 8k in session 21 is the 64 x 128 tile's speed there) and
 keep the bits. This script answers it on the GPU it runs on: for each shape and M, exact
@@ -77,7 +77,7 @@ def main():
         rows = {}
         for m in ms:
             x = x_all[:m]
-            ref_cfg = L.exact_config(m, n, k, x.device)
+            ref_cfg = L.exact_default(m, n, k, x.device)
             ref = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             tc.launch_proj(x, w, None, ref, ref_cfg)
             rows[m] = ref
