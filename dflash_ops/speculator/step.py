@@ -267,17 +267,8 @@ class Iteration:
         spent = 0.0
         if self.graphs and bucket not in self._one_graphs:
             t = time.perf_counter()
-            # capture_graph's warm-up runs one real iteration: the counters go back to before
-            # it, so the first replay commits its tokens again (its cache writes and token
-            # columns are the ones the replay repeats)
-            keep = (state.n_out, state.start, state.last)
-            saved = [x.clone() for x in keep]
-            try:
-                self._one_graphs[bucket] = dispatch.capture_graph(
-                    lambda: self._one_step(state, bucket), self.device)
-            finally:  # a failed capture (e.g. out of memory) leaves the counters as they were
-                for x, v in zip(keep, saved):
-                    x.copy_(v)
+            self._one_graphs[bucket] = capture_committing(
+                state, lambda: self._one_step(state, bucket), self.device)
             spent = time.perf_counter() - t
             st.seconds["capture"] += spent
             st.host_syncs += 1
@@ -414,6 +405,21 @@ class Iteration:
         return kept, fin
 
 
+def capture_committing(state: State, fn, device):
+    """``dispatch.capture_graph(fn, device)`` for a step that commits tokens: the capture's
+    warm-up runs one real step, so the per-request counters (n_out, start, last) go back to
+    before it and the first replay commits those tokens again (the warm-up's cache writes and
+    token columns are the ones the replay repeats); a failed capture (e.g. out of memory)
+    leaves them as they were too."""
+    keep = (state.n_out, state.start, state.last)
+    saved = [x.clone() for x in keep]
+    try:
+        return dispatch.capture_graph(fn, device)
+    finally:
+        for x, v in zip(keep, saved):
+            x.copy_(v)
+
+
 def flush_pending(drafter, state: State, block: int) -> None:
     """Add ``state.pending`` (the last verify's committed rows, kept for a draft step) to the
     drafter's context now and leave it empty for a step of ``block`` rows a request: the policy
@@ -483,18 +489,9 @@ class DecodeIteration(Iteration):
         spent = 0.0
         if self.graphs and bucket not in self._graphs:
             t = time.perf_counter()
-            # capture_graph's warm-up runs one real step: it commits a token, which the first
-            # replay must commit again, so the per-request counters go back to before it (its
-            # cache writes and out_tokens column are the ones the replay repeats; alive and
-            # the sums are reset below anyway)
-            keep = (state.n_out, state.start, state.last)
-            saved = [x.clone() for x in keep]
-            try:
-                self._graphs[bucket] = dispatch.capture_graph(
-                    lambda: self._step(state, bucket), self.device)
-            finally:  # a failed capture leaves the counters as they were
-                for x, v in zip(keep, saved):
-                    x.copy_(v)
+            # (alive and the sums the warm-up also moved are reset below anyway)
+            self._graphs[bucket] = capture_committing(
+                state, lambda: self._step(state, bucket), self.device)
             spent = time.perf_counter() - t
             st.seconds["capture"] += spent
             st.host_syncs += 1
