@@ -2,7 +2,7 @@
 # The one script run on the H200 (device tool): install (builds dflash_ops._C), info, check, the
 # GPU tests, the benchmarks. Logs and result tables go under $OUT (at most 8 files come back:
 # more are packed into $OUT/all.tgz at the end).
-# Usage: bash benchmarks/gpu_check.sh [build|tests|sanitize|ncu|ncu-cases|vllm|vllm-counter|vllm-bench|dflash2|policy|bench|ctx|attn|linear|pdl-probe|exact-probe|drafter|e2e|models|compare|profile|cmake|all]
+# Usage: bash benchmarks/gpu_check.sh [build|tests|sanitize|ncu|ncu-cases|vllm|vllm-counter|vllm-bench|dflash2|policy|bench|ctx|attn|linear|pdl-probe|ctx-probe|exact-probe|drafter|e2e|models|compare|profile|cmake|all]
 #   all:     tests + bench + ctx; build: install, info and check only
 #   tests:   pytest -m gpu over SHARDS processes; TEST_FILES="tests/a.py tests/b.py" for a subset
 #   sanitize: the hostile-value GPU tests (tests/test_hostile_inputs.py,
@@ -35,6 +35,9 @@
 #            and profile_step (PROFILE_ARGS) in one call
 #   pdl-probe: benchmarks/pdl_probe.py: what programmatic dependent launch saves a kernel in
 #            graphed chains of dependent Triton kernels (issue 19's launch-bound steps)
+#   ctx-probe: benchmarks/ctx_probe.py with DFLASH_OPS_PDL=1, then 0: what context_kv_'s
+#            hidden_rms epilogue adds after its GEMM at 1-32 tokens, against what a profiler
+#            reports (issue 15's precompute part)
 #   exact-probe: benchmarks/exact_probe.py (PROBE_ARGS): which GEMM launches give exact mode's
 #            bits (issue 19: may exact mode change its tile with M and keep them?)
 #   ncu-cases: Nsight Compute of one launch of each of benchmarks/ncu_cases.py's NCU_CASES
@@ -208,6 +211,12 @@ if [ "$what" = dflash2 ]; then  # DFlash 2's ops against their floors (bench_dfl
       ${BENCH_ARGS:-} --out "$OUT/results" > "$OUT/bench_dflash2_step.log" 2>&1
     grep -A12 "^summary" "$OUT/bench_dflash2_step.log"
   fi
+fi
+if [ "$what" = ctx-probe ]; then  # the precompute epilogue: stream cost vs profiler, PDL 1 / 0
+  for v in 1 0; do
+    DFLASH_OPS_PDL=$v timeout 120 python3 benchmarks/ctx_probe.py 2>&1 | tee -a "$OUT/ctx_probe.log"
+    r=${PIPESTATUS[0]}; [ "$r" -ne 0 ] && rc=$r
+  done
 fi
 if [ "$what" = policy ]; then  # issue 18's grid: policy vs always vs plain decode (oracle p)
   timeout "${POLICY_TIMEOUT:-560}" python3 -m dflash_ops bench policy ${BENCH_ARGS:---quick} \

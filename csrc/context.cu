@@ -89,31 +89,36 @@ constexpr int kBlock = 256;
 // tokens' rstd from x); above it, a norm pass of ones (x read once, not once a layer).
 constexpr int64_t kRmsFusedTokens = 256;
 
-// The block's tokens' rstd (hidden_rms): a warp a token over x's row, into rstd_s[token - t0].
-// A lane loads kXLoads 16-byte vectors before it sums them: at the drafter's H 4096 a row is
-// 16 vectors a lane, so 4 round trips rather than a chain of 16 (the XRMS kernel at 8 tokens
-// in vLLM took ~4.5 us a call, as long as the norm and context launches it replaced together).
+// The block's tokens' sums of squares (hidden_rms), in parts: wpt = kWarps / ntok warps a token
+// when the block holds fewer tokens than warps (a decode call's 1-8 tokens: at the drafter's
+// H 4096 one token's row is then 2-8 vectors a lane, one round trip, where a warp a token took
+// a chain of four), one warp a token otherwise. part[j * wpt + q] = warp q's share of token
+// t0 + j; returns wpt. A lane loads up to kXLoads 16-byte vectors before it sums them.
+constexpr int kWarps = kBlock / 32;
 constexpr int kXLoads = 4;
 template <class E, class Params>
-__device__ __forceinline__ void token_rstd(const Params& p, uint32_t t0, int ntok,
-                                           float* rstd_s) {
+__device__ __forceinline__ int token_ss_parts(const Params& p, uint32_t t0, int ntok,
+                                              float* part) {
   using Bits = typename E::Bits;
   constexpr int XV = 16 / static_cast<int>(sizeof(Bits));
   const int warp = static_cast<int>(threadIdx.x >> 5), wl = static_cast<int>(threadIdx.x & 31);
-  for (int j = warp; j < ntok; j += kBlock / 32) {
+  const int wpt = ntok >= kWarps ? 1 : kWarps / ntok;
+  for (int w = warp; w < ntok * wpt; w += kWarps) {
+    const int j = w / wpt, q = w - j * wpt;
     const Bits* const xr = static_cast<const Bits*>(p.x) + int64_t(t0 + j) * p.x_st;
     float ss = 0.f;
-    if (p.x_vec) {  // kXLoads vectors a lane in flight: a few round trips a row, not H / 256
-      for (int c0 = wl * XV; c0 < p.h; c0 += kXLoads * 32 * XV) {
+    if (p.x_vec) {  // kXLoads vectors a lane in flight, the row's vectors dealt over wpt warps
+      const int step = wpt * 32 * XV;
+      for (int c0 = (q * 32 + wl) * XV; c0 < p.h; c0 += kXLoads * step) {
         Pack<Bits, XV> v[kXLoads];
 #pragma unroll
         for (int i = 0; i < kXLoads; ++i) {
-          const int c = c0 + i * 32 * XV;
+          const int c = c0 + i * step;
           if (c < p.h) v[i] = load_vec<Bits, XV>(xr + c);
         }
 #pragma unroll
         for (int i = 0; i < kXLoads; ++i) {
-          if (c0 + i * 32 * XV >= p.h) break;
+          if (c0 + i * step >= p.h) break;
 #pragma unroll
           for (int e = 0; e < XV; ++e) {
             const float f = E::to_float(v[i].e[e]);
@@ -122,14 +127,22 @@ __device__ __forceinline__ void token_rstd(const Params& p, uint32_t t0, int nto
         }
       }
     } else {
-      for (int c = wl; c < p.h; c += 32) {
+      for (int c = q * 32 + wl; c < p.h; c += wpt * 32) {
         const float f = E::to_float(xr[c]);
         ss = fmaf(f, f, ss);
       }
     }
     ss = warp_sum(ss);
-    if (wl == 0) rstd_s[j] = rsqrtf(ss * p.inv_h + p.rope.eps);
+    if (wl == 0) part[w] = ss;
   }
+  return wpt;
+}
+
+// An L1 prefetch of the line at ptr (no register, nothing waits on it): the epilogue's weight,
+// bias and cos/sin reads, issued before the x reduction so that they travel beside it rather
+// than after the block barrier, one round trip each.
+__device__ __forceinline__ void prefetch_l1(const void* ptr) {
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(ptr));
 }
 
 // cur <- T(cur * r + bias) on the lane's units (bias at the row's offsets, unit stride; null:
@@ -194,15 +207,45 @@ __global__ void __launch_bounds__(kBlock, V > 1 ? (XRMS ? 4 : 5) : 1)
   }
 
   if constexpr (XRMS) {  // kv <- T(kv / rms(x_t) + bias): the block's tokens' rstd first
-    __shared__ float rstd_s[kBlock];  // a block holds at most kBlock rows, so as many tokens
+    // (a block holds at most kBlock rows, so as many tokens, and kWarps parts when fewer)
+    __shared__ float part_s[kBlock];
+    const Bits* const bias = static_cast<const Bits*>(p.bias);
+    const int64_t b_off = int64_t(layer) * p.s_layer + int64_t(h) * p.s_head;
+    if constexpr (V > 1) {  // what the epilogue reads after the barrier, on its way now
+#pragma unroll
+      for (int j = 0; j < NU; ++j) {
+        if (!lu.act[j]) continue;
+        prefetch_l1(w + lu.off_a[j]);
+        prefetch_l1(w + lu.off_b[j]);
+        if (bias != nullptr) {
+          prefetch_l1(bias + b_off + lu.off_a[j]);
+          prefetch_l1(bias + b_off + p.s_v + lu.off_a[j]);
+        }
+      }
+    }
     const uint32_t row0 = blockIdx.x * (kBlock >> tpr_log2);
     const uint32_t row_last = min(row0 + (kBlock >> tpr_log2), p.rows) - 1;
     const uint32_t t0 = p.div_hkv.div(row0);
-    token_rstd<E>(p, t0, static_cast<int>(p.div_hkv.div(row_last) - t0) + 1, rstd_s);
+    const int wpt = token_ss_parts<E>(p, t0, static_cast<int>(p.div_hkv.div(row_last) - t0) + 1,
+                                      part_s);
+    if constexpr (V > 1) {  // pos has long arrived: the row's cos/sin lines
+      if (p.rope.cs_vec4 && pos >= 0 && pos < p.rope.n_pos) {
+        const float* const cs = p.rope.cs + pos * p.rope.cs_row;
+#pragma unroll
+        for (int j = 0; j < NU; ++j) {
+          if (!lu.act[j] || lu.ang0[j] >= p.rope.half) continue;
+          prefetch_l1(cs + lu.ang0[j]);
+          prefetch_l1(cs + p.rope.half + lu.ang0[j]);
+        }
+      }
+    }
     __syncthreads();
-    const float r = valid ? rstd_s[t - t0] : 0.f;
-    const Bits* const bias = static_cast<const Bits*>(p.bias);
-    const int64_t b_off = int64_t(layer) * p.s_layer + int64_t(h) * p.s_head;
+    float r = 0.f;
+    if (valid) {
+      float ss = 0.f;
+      for (int q = 0; q < wpt; ++q) ss += part_s[(t - t0) * wpt + q];
+      r = rsqrtf(ss * p.inv_h + p.rope.eps);
+    }
     scale_units<E>(lu, r, bias == nullptr ? nullptr : bias + b_off, k);
     scale_units<E>(lu, r, bias == nullptr ? nullptr : bias + b_off + p.s_v, v);
   }

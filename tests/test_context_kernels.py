@@ -69,6 +69,8 @@ CONTEXT_CASES = [
     # hidden_rms (the norm's weight folded into w_kv): the CUDA epilogue's own rstd at T <= 256,
     # a norm pass of ones above
     (1, 4096, 5, 8, 128, 128, True, "nhd2", False, "rms"),       # the plugin's decode shape
+    (2, 4096, 5, 8, 128, 128, True, "nhd2", True, "rms"),        # 4 warps a token's x row
+    (7, 2560, 5, 8, 128, 128, True, "separate", False, "rms"),   # blocks of 4 and 3 tokens
     (16, 4096, 5, 8, 128, 64, False, "hnd2d", True, "rms"),      # GPT-J, partial, bias
     (33, 2880, 8, 1, 64, 64, True, "separate", True, "rms"),     # Hkv 1: 32 tokens a block
     (100, 1001, 1, 1, 256, 256, False, "separate", True, "rms"),  # D 256, x rows unaligned

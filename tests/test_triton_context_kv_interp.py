@@ -19,7 +19,7 @@ from tests.conftest import run_interpreted
 
 import dflash_ops
 from tests.test_triton_context_interp import (  # shared helpers: tolerance rule, tables, caches
-    _backing, _cache_views as cache_views, _table, _tol_check)
+    _backing, _cache_views as cache_views, _table, _tol_check, context_kv_rms_chains)
 
 OPS = torch.ops.dflash
 INTERP_DTYPES = (torch.float16, torch.float32)
@@ -121,6 +121,11 @@ def run_context_case(device, dtype, t, h, n_layers, hkv, d, r, neox, layout, wit
     with dflash_ops.use_backend("torch", ops=["context_kv_"]):
         OPS.context_kv_(*args(want))
         OPS.context_kv_(*args(want32, f32=True))
+    alts = []  # hidden_rms: PyTorch at the kernels' rounding points too (the rule's base)
+    if rms and dtype != torch.float32:
+        alts = [[c.clone() for c in backing] for _ in range(2)]
+        context_kv_rms_chains(x, w, b, kw, pos, cs, slots, cache_views(layout, alts[0], d),
+                              cache_views(layout, alts[1], d), EPS, neox)
     if impl is not None:
         impl(*args(backing))
     else:
@@ -145,11 +150,14 @@ def run_context_case(device, dtype, t, h, n_layers, hkv, d, r, neox, layout, wit
     kc, vc = cache_views(layout, backing, d)
     kr, vr = cache_views(layout, want, d)
     kr32, vr32 = cache_views(layout, want32, d)
+    alt_views = [cache_views(layout, a, d) for a in alts]
     for layer in range(n_layers):
         g_k, r_k, r32_k = kc[layer][blk, row], kr[layer][blk, row], kr32[layer][blk, row]
         g_v, r_v, r32_v = vc[layer][blk, row], vr[layer][blk, row], vr32[layer][blk, row]
-        _tol_check(g_k, r_k, r32_k, f"{what} K layer {layer}")
-        _tol_check(g_v, r_v, r32_v, f"{what} V layer {layer}")
+        _tol_check(g_k, r_k, r32_k, f"{what} K layer {layer}",
+                   [a[0][layer][blk, row] for a in alt_views])
+        _tol_check(g_v, r_v, r32_v, f"{what} V layer {layer}",
+                   [a[1][layer][blk, row] for a in alt_views])
         if not hidden_norm and dtype != torch.float32:
             # V = round(fp32 GEMM): within one rounding step of the reference (plus the fp32
             # summation-order difference, far below a 16-bit ulp)
