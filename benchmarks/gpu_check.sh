@@ -49,7 +49,8 @@
 #   compare: bench_drafter --quick --no-ref and bench_e2e --quick (COMPARE_SUITES; attention:
 #            bench_attention with COMPARE_ATTN_ARGS, default the splits table at five shapes) of
 #            the tree in .old (an older commit, carried; built in place) and of this tree,
-#            alternating old/new twice, so a
+#            alternating old/new twice (COMPARE_SUITES=ctx: this tree's ctx_probe.py over each
+#            side's package, context_kv_'s epilogue), so a
 #            change's speed is compared within one call (drift between calls is ~4%); OLD_DIR
 #            names another place for the old tree (e.g. one built earlier outside the checkout)
 # Set DFLASH_OPS_COMMIT (the device copy has no .git) so result files name the commit; compare
@@ -270,6 +271,7 @@ if [ "$what" = compare ]; then
   fi
   echo "old build: $(( $(date +%s) - t0 )) s"
   new_commit=${DFLASH_OPS_COMMIT:-new}
+  root=$PWD  # the ctx suite runs this tree's ctx_probe.py over either side's package
   for round in 1 2; do
     if [ $round -gt 1 ] && [ $(( $(date +%s) - t0 )) -gt ${ROUND_BUDGET_S:-300} ]; then
       echo "compare: no time for round $round"; break
@@ -282,12 +284,19 @@ if [ "$what" = compare ]; then
           attention) extra=${COMPARE_ATTN_ARGS:---no-flex --tables splits --cases 1x1024,1x32768,8x4096,32x4096,1x131072} ;;
           *) extra="--quick" ;;
         esac
-        # shellcheck disable=SC2086
-        (cd "$dir" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" DFLASH_OPS_COMMIT=$commit \
-          timeout 200 python3 "benchmarks/bench_$suite.py" $extra --no-plot \
-            --out "$OUT/cmp-$side-$round" > "$OUT/cmp_${suite}_${side}_${round}.log" 2>&1)
+        if [ $suite = ctx ]; then  # context_kv_'s epilogue (ctx_probe.py), PDL as set
+          (cd "$dir" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \
+            timeout 120 python3 "$root/benchmarks/ctx_probe.py" \
+            > "$OUT/cmp_${suite}_${side}_${round}.log" 2>&1)
+        else
+          # shellcheck disable=SC2086
+          (cd "$dir" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" DFLASH_OPS_COMMIT=$commit \
+            timeout 200 python3 "benchmarks/bench_$suite.py" $extra --no-plot \
+              --out "$OUT/cmp-$side-$round" > "$OUT/cmp_${suite}_${side}_${round}.log" 2>&1)
+        fi
         echo "== $suite $side ($commit) round $round: $(( $(date +%s) - t0 )) s"
         if [ $suite = attention ]; then grep -E "^B=" "$OUT/cmp_${suite}_${side}_${round}.log" | head -40
+        elif [ $suite = ctx ]; then grep -E "^\|" "$OUT/cmp_${suite}_${side}_${round}.log"
         else grep -A10 "^summary" "$OUT/cmp_${suite}_${side}_${round}.log" | head -12; fi
       done
     done

@@ -138,6 +138,22 @@ __device__ __forceinline__ int token_ss_parts(const Params& p, uint32_t t0, int 
   return wpt;
 }
 
+// Every 128-byte line of the block's ntok x rows asked into L2, a thread a line: x went to DRAM
+// while the GEMM streamed the weight through L2 (84 MB for the Qwen3-8B drafter), and a warp's
+// row takes two rounds of kXLoads vectors at 2-4 tokens a block (eight loads a lane spill), so
+// the second round's lines are on their way during the first.
+template <class E, class Params>
+__device__ __forceinline__ void prefetch_x_l2(const Params& p, uint32_t t0, int ntok) {
+  constexpr int kLine = 128 / static_cast<int>(sizeof(typename E::Bits));  // elements a line
+  const int lines = (p.h + kLine - 1) / kLine;
+  for (int i = static_cast<int>(threadIdx.x); i < ntok * lines; i += kBlock) {
+    const int j = i / lines;
+    const typename E::Bits* const xr =
+        static_cast<const typename E::Bits*>(p.x) + int64_t(t0 + j) * p.x_st;
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(xr + (i - j * lines) * kLine));
+  }
+}
+
 // An L1 prefetch of the line at ptr (no register, nothing waits on it): the epilogue's weight,
 // bias and cos/sin reads, issued before the x reduction so that they travel beside it rather
 // than after the block barrier, one round trip each.
@@ -226,8 +242,9 @@ __global__ void __launch_bounds__(kBlock, V > 1 ? (XRMS ? 4 : 5) : 1)
     const uint32_t row0 = blockIdx.x * (kBlock >> tpr_log2);
     const uint32_t row_last = min(row0 + (kBlock >> tpr_log2), p.rows) - 1;
     const uint32_t t0 = p.div_hkv.div(row0);
-    const int wpt = token_ss_parts<E>(p, t0, static_cast<int>(p.div_hkv.div(row_last) - t0) + 1,
-                                      part_s);
+    const int ntok = static_cast<int>(p.div_hkv.div(row_last) - t0) + 1;
+    if (ntok > 1) prefetch_x_l2<E>(p, t0, ntok);  // one token's row is one round already
+    const int wpt = token_ss_parts<E>(p, t0, ntok, part_s);
     if constexpr (V > 1) {  // pos has long arrived: the row's cos/sin lines
       if (p.rope.cs_vec4 && pos >= 0 && pos < p.rope.n_pos) {
         const float* const cs = p.rope.cs + pos * p.rope.cs_row;
