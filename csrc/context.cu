@@ -144,13 +144,16 @@ __device__ __forceinline__ int token_ss_parts(const Params& p, uint32_t t0, int 
 // the second round's lines are on their way during the first.
 template <class E, class Params>
 __device__ __forceinline__ void prefetch_x_l2(const Params& p, uint32_t t0, int ntok) {
+  // a row that starts inside a line touches one line more than H / kLine: the last address
+  // asked is the row's last element
   constexpr int kLine = 128 / static_cast<int>(sizeof(typename E::Bits));  // elements a line
-  const int lines = (p.h + kLine - 1) / kLine;
+  if (p.h == 0) return;
+  const int lines = (p.h + kLine - 1) / kLine + 1;
   for (int i = static_cast<int>(threadIdx.x); i < ntok * lines; i += kBlock) {
     const int j = i / lines;
     const typename E::Bits* const xr =
         static_cast<const typename E::Bits*>(p.x) + int64_t(t0 + j) * p.x_st;
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(xr + (i - j * lines) * kLine));
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(xr + min((i - j * lines) * kLine, p.h - 1)));
   }
 }
 
@@ -235,7 +238,9 @@ __global__ void __launch_bounds__(kBlock, V > 1 ? (XRMS ? 4 : 5) : 1)
         prefetch_l1(w + lu.off_b[j]);
         if (bias != nullptr) {
           prefetch_l1(bias + b_off + lu.off_a[j]);
+          prefetch_l1(bias + b_off + lu.off_b[j]);
           prefetch_l1(bias + b_off + p.s_v + lu.off_a[j]);
+          prefetch_l1(bias + b_off + p.s_v + lu.off_b[j]);
         }
       }
     }

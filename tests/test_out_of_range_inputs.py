@@ -342,7 +342,8 @@ class RmsCase:
             return (torch.randn(*shape, generator=g) * scale).to(dtype)
 
         x = torch.full((t, h + pad_x), float("nan"), dtype=dtype)
-        x[:, :h] = rnd(t, h)
+        from tests.test_triton_context_interp import rms_token_scales
+        x[:, :h] = (rnd(t, h).float() * rms_token_scales(t)).to(dtype)  # rstd 2x apart by token
         k_weight = (1 + 0.1 * rnd(n_layers, d)).repeat_interleave(2 if strided_kw else 1, 1)
         cs = _table(d, "cpu")
         self.p = cs.shape[0]
@@ -378,17 +379,17 @@ class RmsCase:
             torch.ops.dflash.context_kv_.default(**kw, k_caches=kc, v_caches=vc)
         return backing
 
-    def run_chains(self):
-        """PyTorch at the kernels' rounding points in the case's dtype (the CUDA epilogue's,
-        the norm pass's; tests/test_triton_context_interp.py's context_kv_rms_chains), into
-        fresh NaN caches: two lists of backing tensors, part of the tolerance rule's base."""
-        from tests.test_triton_context_interp import context_kv_rms_chains
-        outs = [[torch.full_like(b, float("nan")) for b in self.backing] for _ in range(2)]
-        kw = {k: v for k, v in self.kw.items() if k not in ("hidden_norm_weight", "hidden_rms")}
-        context_kv_rms_chains(kw["x"], kw["w_kv"], kw["bias"], kw["k_weight"], kw["positions"],
-                              kw["cos_sin_cache"], kw["slot_mapping"], self.views(outs[0]),
-                              self.views(outs[1]), kw["eps"], kw["is_neox"])
-        return outs
+    def run_chain(self, backend):
+        """PyTorch at ``backend``'s rounding points for this case in its dtype
+        (tests/test_triton_context_interp.py's rms_path and context_kv_rms_chain), into fresh
+        NaN caches: the backing tensors, part of the tolerance rule's base."""
+        from tests.test_triton_context_interp import context_kv_rms_chain, rms_path
+        out = [torch.full_like(b, float("nan")) for b in self.backing]
+        kw = self.kw
+        context_kv_rms_chain(rms_path(backend, kw["x"].dtype, self.t), kw["x"], kw["w_kv"],
+                             kw["bias"], kw["k_weight"], kw["positions"], kw["cos_sin_cache"],
+                             kw["slot_mapping"], *self.views(out), kw["eps"], kw["is_neox"])
+        return out
 
     def run(self, backend):
         """The op with ``backend`` forced into fresh NaN caches inside guard memory; the
@@ -438,11 +439,13 @@ def check_rms(case, backend, bad_rows=(), what=""):
     # hair (tests/test_triton_context_interp.py's rule; a fixed 2e-2 failed on the H200 at 1
     # element of 32k, where bf16 RoPE of the reference cancels two rounded products). The
     # reference rounds hidden_rms's GEMM, scale and bias once; the kernels round twice (the
-    # GEMM, then the scale and bias; or the norm, then the GEMM), so the dtype runs at those
-    # points join the base (the CUDA epilogue measured 2.0-2.1x the reference's alone on the
-    # H200 in session 26, within one rounding).
+    # GEMM, then the scale and bias; or the norm, then the GEMM), so PyTorch at the backend's
+    # own rounding points joins the base (the CUDA epilogue measured 2.0-2.1x the reference's
+    # alone on the H200 in session 26, within one rounding). x's rows are scaled so that
+    # neighbouring tokens' rstd differ by 2x: a wrong or misplaced rstd stays far outside.
+    from tests.test_triton_context_interp import rms_path
     want32 = case.views(case.run_fp32()) if dtype != torch.float32 else None
-    chains = [case.views(c) for c in case.run_chains()] if want32 is not None else []
+    chains = [case.views(case.run_chain(backend))] if want32 is not None else []
     for i, (kind, g_l, w_l) in enumerate(zip("KV", case.views([gd.view for gd in got]),
                                              case.views([wd.view for wd in want]))):
         for layer, (g, w) in enumerate(zip(g_l, w_l)):
@@ -461,6 +464,15 @@ def check_rms(case, backend, bad_rows=(), what=""):
             assert err <= 2 * base + atol, \
                 (f"{what}: {kind} layer {layer}: max error {err:.3e} from the fp32 reference > "
                  f"2 x the {dtype} PyTorch runs' largest {base:.3e} + {atol:.1e}")
+            if kind == "V" and rms_path(backend, dtype, case.t) == "fused":
+                # V = T(T(GEMM) * rstd + bias) on both sides: within 2 ulps (the GEMMs'
+                # summation orders may round T(GEMM) one ulp apart), far below a wrong rstd
+                a = chains[0][i][layer][blk.to(g.device), row.to(g.device)].float()
+                ulp = torch.exp2(torch.floor(torch.log2(a.abs().clamp_min(1e-30)))) * \
+                    torch.finfo(dtype).eps
+                diff = (g.float() - a).abs()
+                assert bool((diff <= 2.01 * ulp + 1e-6).all()), \
+                    f"{what}: V layer {layer}: {diff.max():.3e} > 2 ulps from the fused chain"
 
 
 def check_rms_slots(backend, device="cpu", dtype=torch.float32):

@@ -37,31 +37,42 @@ def _tol_check(out, ref_dtype, ref_fp32, what, alt=()):
     assert err <= 2 * base + atol, f"{what}: max err {err:.3e} > 2 * {base:.3e} + {atol:.1e}"
 
 
-def context_kv_rms_chains(x, w_kv, bias, k_weight, positions, cos_sin_cache, slot_mapping,
-                          caches_fused, caches_norm, eps, is_neox):
-    """context_kv_ with hidden_rms=True done in PyTorch in x's dtype at the kernels' rounding
-    points, into two pairs of (k_caches, v_caches): ``caches_fused`` as the CUDA epilogue (T <=
-    256, bf16 / fp32) rounds, the GEMM then T(kv * rstd + bias); ``caches_norm`` as the norm
-    pass of ones (Triton, fp16, T > 256), T(T(x * rstd) @ w_kv^T + bias). The reference op
-    rounds once (fp32 GEMM, scale and bias), so its error alone understates what the same math
-    costs in the dtype: the tolerance rule's base takes these too."""
+def rms_path(backend: str, dtype: torch.dtype, t: int) -> str:
+    """Where hidden_rms rounds on ``backend``: "fused" (the CUDA epilogue at T <= 256 in bf16 /
+    fp32: the GEMM, then T(kv * rstd + bias)) or "norm" (the norm pass of ones first: Triton,
+    fp16, T > 256; T(T(x * rstd) @ w_kv^T + bias))."""
+    return "fused" if backend == "cuda" and dtype != torch.float16 and t <= 256 else "norm"
+
+
+def context_kv_rms_chain(path, x, w_kv, bias, k_weight, positions, cos_sin_cache,
+                         slot_mapping, k_caches, v_caches, eps, is_neox):
+    """context_kv_ with hidden_rms=True done in PyTorch in x's dtype at the rounding points of
+    ``path`` (rms_path's), into (k_caches, v_caches). The reference op rounds once (fp32 GEMM,
+    scale and bias), so its error alone understates what the same math costs in the dtype:
+    the tolerance rule's base takes this run's error too (the kernels' path only)."""
     from dflash_ops.ops.kv import store_kv_ref
     from dflash_ops.ops.norm import rms_norm_ref
     from dflash_ops.ops.rope import rope_values
     t = x.shape[0]
-    n_layers, (_, _, hkv, d) = len(caches_fused[0]), caches_fused[0][0].shape
+    n_layers, (_, _, hkv, d) = len(k_caches), k_caches[0].shape
     xf = x.float()
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) if x.shape[1] else \
         torch.full((t, 1), eps ** -0.5, device=x.device)
     bf = 0.0 if bias is None else bias.float()
-    fused = (F.linear(x, w_kv).float() * rstd + bf).to(x.dtype)
-    normed = (xf * rstd).to(x.dtype)
-    first = (F.linear(normed, w_kv).float() + bf).to(x.dtype)
-    for kv, (kc, vc) in ((fused, caches_fused), (first, caches_norm)):
-        kv = kv.view(t, n_layers, 2, hkv, d)
-        k = rope_values(rms_norm_ref(kv[:, :, 0], k_weight, eps), positions, cos_sin_cache,
-                        is_neox)
-        store_kv_ref(k, kv[:, :, 1], kc, vc, slot_mapping)
+    if path == "fused":
+        kv = (F.linear(x, w_kv).float() * rstd + bf).to(x.dtype)
+    else:
+        kv = (F.linear((xf * rstd).to(x.dtype), w_kv).float() + bf).to(x.dtype)
+    kv = kv.view(t, n_layers, 2, hkv, d)
+    k = rope_values(rms_norm_ref(kv[:, :, 0], k_weight, eps), positions, cos_sin_cache, is_neox)
+    store_kv_ref(k, kv[:, :, 1], k_caches, v_caches, slot_mapping)
+
+
+def rms_token_scales(t: int) -> torch.Tensor:
+    """[t, 1] factors 1/2, 1, 2, 4 by token (t mod 4) for hidden_rms tests' x rows: each token's
+    rstd then differs by 2x or more from its neighbours', so a kernel that divides a row by
+    another token's rms, or by a wrong one, is far outside the tolerance."""
+    return torch.exp2(torch.arange(t) % 4 - 1.0)[:, None]
 
 
 def _positions(t, device, gen, strided=False):

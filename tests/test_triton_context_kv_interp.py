@@ -19,7 +19,8 @@ from tests.conftest import run_interpreted
 
 import dflash_ops
 from tests.test_triton_context_interp import (  # shared helpers: tolerance rule, tables, caches
-    _backing, _cache_views as cache_views, _table, _tol_check, context_kv_rms_chains)
+    _backing, _cache_views as cache_views, _table, _tol_check,
+    context_kv_rms_chain, rms_path, rms_token_scales)
 
 OPS = torch.ops.dflash
 INTERP_DTYPES = (torch.float16, torch.float32)
@@ -98,6 +99,8 @@ def run_context_case(device, dtype, t, h, n_layers, hkv, d, r, neox, layout, wit
             f"{layout} bias={with_bias} hidden_norm={hidden_norm}")
     n = n_layers * 2 * hkv * d
     x = _rnd(gen, t, h, dtype=dtype, device=device)
+    if hidden_norm == "rms":  # rstd 2x apart from token to token
+        x = (x.float() * rms_token_scales(t).to(device)).to(dtype)
     w = _rnd(gen, n, h, dtype=dtype, device=device, scale=h ** -0.5)
     b = _rnd(gen, n, dtype=dtype, device=device, scale=0.5) if with_bias else None
     kw = 1 + 0.1 * _rnd(gen, n_layers, d, dtype=dtype, device=device)
@@ -121,11 +124,12 @@ def run_context_case(device, dtype, t, h, n_layers, hkv, d, r, neox, layout, wit
     with dflash_ops.use_backend("torch", ops=["context_kv_"]):
         OPS.context_kv_(*args(want))
         OPS.context_kv_(*args(want32, f32=True))
-    alts = []  # hidden_rms: PyTorch at the kernels' rounding points too (the rule's base)
+    alts = []  # hidden_rms: PyTorch at the kernel's rounding points too (the rule's base)
+    path = rms_path(backend if impl is None else "triton", dtype, t)
     if rms and dtype != torch.float32:
-        alts = [[c.clone() for c in backing] for _ in range(2)]
-        context_kv_rms_chains(x, w, b, kw, pos, cs, slots, cache_views(layout, alts[0], d),
-                              cache_views(layout, alts[1], d), EPS, neox)
+        alts = [[c.clone() for c in backing]]
+        context_kv_rms_chain(path, x, w, b, kw, pos, cs, slots,
+                             *cache_views(layout, alts[0], d), EPS, neox)
     if impl is not None:
         impl(*args(backing))
     else:
@@ -158,6 +162,13 @@ def run_context_case(device, dtype, t, h, n_layers, hkv, d, r, neox, layout, wit
                    [a[0][layer][blk, row] for a in alt_views])
         _tol_check(g_v, r_v, r32_v, f"{what} V layer {layer}",
                    [a[1][layer][blk, row] for a in alt_views])
+        if alts and path == "fused":
+            # V = T(T(GEMM) * rstd + bias) on both sides: within 2 ulps (the GEMMs' summation
+            # orders may round T(GEMM) one ulp apart), far below a wrong rstd
+            a_v = alt_views[0][1][layer][blk, row]
+            diff = (g_v.float() - a_v.float()).abs()
+            assert bool((diff <= 2.01 * _ulp(a_v) + 1e-6).all()), \
+                f"{what}: V layer {layer} > 2 ulps from the fused chain (max {diff.max():.3e})"
         if not hidden_norm and dtype != torch.float32:
             # V = round(fp32 GEMM): within one rounding step of the reference (plus the fp32
             # summation-order difference, far below a 16-bit ulp)
