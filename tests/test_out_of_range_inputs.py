@@ -444,6 +444,7 @@ def check_rms(case, backend, bad_rows=(), what=""):
     # alone on the H200 in session 26, within one rounding). x's rows are scaled so that
     # neighbouring tokens' rstd differ by 2x: a wrong or misplaced rstd stays far outside.
     from tests.test_triton_context_interp import rms_path
+    from tests.test_triton_context_kv_interp import _ulp
     want32 = case.views(case.run_fp32()) if dtype != torch.float32 else None
     chains = [case.views(case.run_chain(backend))] if want32 is not None else []
     for i, (kind, g_l, w_l) in enumerate(zip("KV", case.views([gd.view for gd in got]),
@@ -467,11 +468,9 @@ def check_rms(case, backend, bad_rows=(), what=""):
             if kind == "V" and rms_path(backend, dtype, case.t) == "fused":
                 # V = T(T(GEMM) * rstd + bias) on both sides: within 2 ulps (the GEMMs'
                 # summation orders may round T(GEMM) one ulp apart), far below a wrong rstd
-                a = chains[0][i][layer][blk.to(g.device), row.to(g.device)].float()
-                ulp = torch.exp2(torch.floor(torch.log2(a.abs().clamp_min(1e-30)))) * \
-                    torch.finfo(dtype).eps
-                diff = (g.float() - a).abs()
-                assert bool((diff <= 2.01 * ulp + 1e-6).all()), \
+                a = chains[0][i][layer][blk.to(g.device), row.to(g.device)]
+                diff = (g.float() - a.float()).abs()
+                assert bool((diff <= 2.01 * _ulp(a) + 1e-6).all()), \
                     f"{what}: V layer {layer}: {diff.max():.3e} > 2 ulps from the fused chain"
 
 

@@ -264,14 +264,8 @@ class Iteration:
         if state is not self._one_state:  # the graphs bake in a call's state tensors
             self._one_graphs, self._one_state, self._rows_key = {}, state, None
         self._load_rows(rows, bucket)
-        spent = 0.0
-        if self.graphs and bucket not in self._one_graphs:
-            t = time.perf_counter()
-            self._one_graphs[bucket] = capture_committing(
-                state, lambda: self._one_step(state, bucket), self.device)
-            spent = time.perf_counter() - t
-            st.seconds["capture"] += spent
-            st.host_syncs += 1
+        spent = self._capture_committing(self._one_graphs, bucket, state,
+                                         lambda: self._one_step(state, bucket))
         if self.graphs:
             self._one_graphs[bucket][0].replay()
         else:
@@ -323,6 +317,18 @@ class Iteration:
         self.stats.host_syncs += 1
         spent = time.perf_counter() - t
         self.stats.seconds["capture"] += spent
+        return spent
+
+    def _capture_committing(self, graphs: dict, bucket: int, state: State, fn) -> float:
+        """With ``graphs`` on: ``graphs[bucket]`` captured from ``fn`` (a step that commits
+        tokens: capture_committing) on first use; the seconds spent."""
+        if not self.graphs or bucket in graphs:
+            return 0.0
+        t = time.perf_counter()
+        graphs[bucket] = capture_committing(state, fn, self.device)
+        spent = time.perf_counter() - t
+        self.stats.seconds["capture"] += spent
+        self.stats.host_syncs += 1
         return spent
 
     def _draft(self, state: State, rows: torch.Tensor) -> tuple:
@@ -486,15 +492,9 @@ class DecodeIteration(Iteration):
         vs = self.vstep
         bucket = vs.bucket(r)
         self._load_rows(rows, bucket)
-        spent = 0.0
-        if self.graphs and bucket not in self._graphs:
-            t = time.perf_counter()
-            # (alive and the sums the warm-up also moved are reset below anyway)
-            self._graphs[bucket] = capture_committing(
-                state, lambda: self._step(state, bucket), self.device)
-            spent = time.perf_counter() - t
-            st.seconds["capture"] += spent
-            st.host_syncs += 1
+        # (alive and the sums a capture's warm-up also moves are reset below anyway)
+        spent = self._capture_committing(self._graphs, bucket, state,
+                                         lambda: self._step(state, bucket))
         self._alive.fill_(True)  # every request in rows is active as the call begins
         self._acc.zero_()
         todo = self.steps if max_steps is None else max(1, min(self.steps, int(max_steps)))
