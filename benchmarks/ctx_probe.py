@@ -1,28 +1,26 @@
-"""What context_kv_'s hidden_rms epilogue costs at the vLLM plugin's decode sizes (issue 15: the
-precompute's replaced kernels, measured in vLLM by the torch profiler's kernel durations).
+"""What context_kv_ (hidden_rms) costs over its GEMM at the vLLM plugin's decode sizes (issue 15:
+the precompute's replaced kernels, measured in vLLM by the torch profiler's kernel durations),
+on the Qwen3-8B drafter's shapes (H 4096, 5 layers, Hkv 8, D 128, bf16, block size 16), for
+T = 1, 8 and 32 tokens:
 
-Under programmatic dependent launch (PDL, on by default on the H200) our epilogue kernel may
-start while the cuBLAS GEMM before it drains and wait in ``griddepcontrol.wait``: a profiler
-then counts that wait as the kernel's own time. This probe separates the two, on the Qwen3-8B
-drafter's shapes (H 4096, 5 layers, Hkv 8, D 128, bf16, block size 16), for T = 1, 8 and 32
-tokens:
-
-* ``gemm``: ``torch.mm(x, w_kv.t())`` alone, CUDA-graph replay, us a call;
-* ``op``: the whole ``context_kv_(..., hidden_rms=True)`` (that GEMM, then the epilogue), the
-  same way; ``op - gemm`` is what the epilogue adds to the stream;
-* ``profiler``: each kernel's mean duration over eager calls of the op (torch.profiler), the
-  number a vLLM profile reports.
+* ``gemm``: ``torch.mm(x, w_kv.t())`` alone (cuBLAS), CUDA-graph replay, us a call;
+* ``fused``: the whole ``context_kv_(..., hidden_rms=True)`` on the CUDA op's default path at
+  these sizes (one launch: the GEMM and the epilogue in one kernel), the same way;
+* ``split``: the same op with ``DFLASH_OPS_CONTEXT_FUSED=0`` (cuBLAS, then the epilogue kernel:
+  the path of session 26 and of every call the fused kernel does not take);
+* ``- gemm``: what each adds to the stream over the GEMM alone;
+* ``profiler``: each kernel's mean duration over eager calls of the default path
+  (torch.profiler), the number a vLLM profile reports.
 
     python benchmarks/ctx_probe.py              # DFLASH_OPS_PDL=0 to compare without PDL
 
-Each T runs twice: with small caches (a few blocks) and with caches the size vLLM gives them
-(``BIG_GB`` over the 10 K / V tensors, slots spread over all of it), where each row's store and
-the cos/sin row land on their own pages: vLLM's profile (5.25 us an iteration at one token)
-against this probe's 3.6 us may be that (TLB misses), or not.
+Each T runs twice: with small caches (a few blocks) and with caches near the size vLLM gives
+them (up to ``BIG_GB`` over the 10 K / V tensors, slots spread over all of it; a third of the
+GPU's memory at most, as the reference's copy doubles it), where each row's store lands on its
+own page (the TLB hypothesis of session 26).
 
-The op's output is checked against the torch reference first (tolerance: 2 bf16 ulps of the
-largest value), so a fast wrong kernel shows as wrong. About 40 s on the H200 (the 48 GB
-caches and the reference's take ~100 GB of GPU memory).
+Both paths' outputs are checked against the torch reference first (tolerance: 2 bf16 ulps of
+the largest value), so a fast wrong kernel shows as wrong. About a minute on an H100/H200.
 """
 import importlib.util
 import os
@@ -55,9 +53,12 @@ def main() -> int:
     pdl = os.environ.get("DFLASH_OPS_PDL", "1") != "0"
     print(f"ctx_probe: {torch.cuda.get_device_name()}, torch {torch.__version__}, PDL "
           f"{'on' if pdl else 'off'}; H {H}, L {LAYERS}, Hkv {HKV}, D {D}, bf16")
-    print("| T | caches | gemm us | op us | op - gemm | profiler: kernel us a call |")
-    print("|---|---|---|---|---|---|")
-    big_nb = BIG_GB * 2 ** 30 // (2 * LAYERS * BLOCK * HKV * D * 2)
+    print("| T | caches | gemm us | fused us | split us | fused - gemm | split - gemm | "
+          "profiler (default path): kernel us a call |")
+    print("|---|---|---|---|---|---|---|---|")
+    total_gb = torch.cuda.get_device_properties(0).total_memory / 2 ** 30
+    big_gb = min(BIG_GB, int(total_gb / 3))
+    big_nb = big_gb * 2 ** 30 // (2 * LAYERS * BLOCK * HKV * D * 2)
     for t, nb in [(t, nb) for t in (1, 8, 32) for nb in (t // BLOCK + 4, big_nb)]:
         label = f"{2 * LAYERS * nb * BLOCK * HKV * D * 2 / 2 ** 30:.3g} GB"
         x = torch.randn(t, H, device=dev, generator=g).to(dt)
@@ -74,17 +75,24 @@ def main() -> int:
         rk = [torch.zeros_like(c) for c in kc]
         rv = [torch.zeros_like(c) for c in kc]
         op("torch", rk, rv)
-        op()
-        for got, want in zip(kc + vc, rk + rv):  # the written rows (the caches may be 48 GB)
-            got, want = got.view(-1, HKV, D)[slots].float(), want.view(-1, HKV, D)[slots].float()
-            err = (got - want).abs().max().item()
-            tol = 2 * 2 ** -7 * max(1.0, want.abs().max().item())
-            if not err <= tol:
-                print(f"ctx_probe: T {t}: max error {err:.3e} > {tol:.3e} against the torch "
-                      f"reference", file=sys.stderr)
-                return 1
+        times = {}
+        for path in ("fused", "split"):
+            os.environ["DFLASH_OPS_CONTEXT_FUSED"] = "1" if path == "fused" else "0"
+            for c in kc + vc:
+                c.zero_()
+            op()
+            for got, want in zip(kc + vc, rk + rv):  # the written rows (caches may be 48 GB)
+                got = got.view(-1, HKV, D)[slots].float()
+                want = want.view(-1, HKV, D)[slots].float()
+                err = (got - want).abs().max().item()
+                tol = 2 * 2 ** -7 * max(1.0, want.abs().max().item())
+                if not err <= tol:
+                    print(f"ctx_probe: T {t}, {path}: max error {err:.3e} > {tol:.3e} against "
+                          f"the torch reference", file=sys.stderr)
+                    return 1
+            times[path] = time_fn(op, graph=True, calls=20)["us"]
+        os.environ.pop("DFLASH_OPS_CONTEXT_FUSED")
         gemm = time_fn(lambda: torch.mm(x, w_kv.t()), graph=True, calls=20)["us"]
-        full = time_fn(op, graph=True, calls=20)["us"]
         for _ in range(3):
             op()
         torch.cuda.synchronize()
@@ -101,8 +109,9 @@ def main() -> int:
                 kernels[e.key] = us / calls
         ks = ", ".join(f"{name.split('(')[0].split('<')[0][-28:]} {us:.2f}"
                        for name, us in sorted(kernels.items(), key=lambda kv: -kv[1]))
-        print(f"| {t} | {label} | {gemm:.2f} | {full:.2f} | {full - gemm:+.2f} | {ks} |",
-              flush=True)
+        fu, sp = times["fused"], times["split"]
+        print(f"| {t} | {label} | {gemm:.2f} | {fu:.2f} | {sp:.2f} | {fu - gemm:+.2f} | "
+              f"{sp - gemm:+.2f} | {ks} |", flush=True)
         del op, kc, vc, rk, rv
         torch.cuda.empty_cache()
     return 0

@@ -134,21 +134,15 @@ struct CacheView {
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// Whether launch_kernel() makes programmatic dependents on the current device: the kernels
-// of this binary run there from code compiled for sm_90+ (so pdl_wait() holds the wait: a
-// build whose device code is older PTX, JIT-compiled for the GPU, has kernels without it),
-// unless DFLASH_OPS_PDL=0 (read once a process; the Triton kernels read it at each launch:
-// set it before the first call). Asked once a device of pdl_probe_kernel (static: one a
-// translation unit, all built with the same architectures); a failed query is asked again.
 static __global__ void pdl_probe_kernel() { pdl_wait(); }
 
-inline bool pdl_enabled() {
-  static const bool env_on = [] {
-    const char* v = std::getenv("DFLASH_OPS_PDL");
-    return !(v != nullptr && v[0] == '0' && v[1] == '\0');
-  }();
-  if (!env_on) return false;
-  static std::array<std::atomic<int>, 64> known{};  // 0 unknown, 1 on, 2 off
+// Whether the kernels of this binary run code compiled for sm_90+ on the current device (a
+// build whose device code is older PTX, JIT-compiled for the GPU, has kernels compiled for
+// that older architecture: no griddepcontrol, no clusters). Asked once a device of
+// pdl_probe_kernel (static: one a translation unit, all built with the same architectures); a
+// failed query is asked again.
+inline bool sm90_code() {
+  static std::array<std::atomic<int>, 64> known{};  // 0 unknown, 1 yes, 2 no
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
   int v = known[dev].load();
@@ -163,6 +157,17 @@ inline bool pdl_enabled() {
     known[dev].store(v);
   }
   return v == 1;
+}
+
+// Whether launch_kernel() makes programmatic dependents on the current device: sm90_code()
+// (so pdl_wait() holds the wait), unless DFLASH_OPS_PDL=0 (read once a process; the Triton
+// kernels read it at each launch: set it before the first call).
+inline bool pdl_enabled() {
+  static const bool env_on = [] {
+    const char* v = std::getenv("DFLASH_OPS_PDL");
+    return !(v != nullptr && v[0] == '0' && v[1] == '\0');
+  }();
+  return env_on && sm90_code();
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent of the grid

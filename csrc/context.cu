@@ -4,7 +4,10 @@
 //   context_kv_  (hidden RMSNorm of x) -> kv = kv_proj(x, w_kv, bias) [T, N = L*2*Hkv*D] ->
 //                one epilogue launch over kv viewed as [T, L, 2, Hkv, D]: every layer's K row
 //                normalised with k_weight[l] and rotated, written with its V row into layer l's
-//                paged caches at slot_mapping[t]
+//                paged caches at slot_mapping[t]; at 1 <= T <= 32 on sm_90 (D 128, bf16, or
+//                fp16 without hidden_rms) one kernel instead: the GEMM split over the CTAs of
+//                a cluster, reduced in distributed shared memory, and the same epilogue (the
+//                fused path, below the epilogue kernel)
 //
 //   k_caches[l], v_caches[l]  [num_blocks, block_size, Hkv, D], one tensor per layer, each with
 //                its own strides (unit stride in D); token t goes to block slot / block_size,
@@ -45,6 +48,7 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <type_traits>
 
 namespace dflash_ops {
 namespace {
@@ -188,6 +192,34 @@ __device__ __forceinline__ void scale_units(const LaneUnits<V, NU, NEOX>& lu, fl
   }
 }
 
+// The K row (normalised; rotated here) and the V row of head h of a token at slot `slot` (in
+// range) written into layer `layer`'s caches: the lane's units.
+template <class E, int V, int NU, bool NEOX, int MAXL>
+__device__ __forceinline__ void store_head_row(const ContextParams<MAXL>& p, int layer,
+                                               uint32_t h, int64_t slot, int64_t pos,
+                                               const LaneUnits<V, NU, NEOX>& lu,
+                                               const Unit<typename E::Bits, V> (&k)[NU],
+                                               const Unit<typename E::Bits, V> (&v)[NU]) {
+  using Bits = typename E::Bits;
+  int64_t block, brow;
+  if (p.slots32) {
+    const uint32_t b = p.div_bs.div(static_cast<uint32_t>(slot));
+    block = b;
+    brow = static_cast<uint32_t>(slot) - b * p.div_bs.d;
+  } else {
+    block = slot / p.block_size;
+    brow = slot - block * p.block_size;
+  }
+  const CacheView kc = p.dst[layer][0], vc = p.dst[layer][1];  // block-uniform index
+  Bits* const k_dst = reinterpret_cast<Bits*>(kc.base + block * kc.s_block + brow * kc.s_row +
+                                              int64_t(h) * kc.s_head);
+  Bits* const v_dst = reinterpret_cast<Bits*>(vc.base + block * vc.s_block + brow * vc.s_row +
+                                              int64_t(h) * vc.s_head);
+  store_units(v_dst, lu, v);
+  const bool rot = pos >= 0 && pos < p.rope.n_pos;
+  rotate_store_units<E>(p.rope, lu, pos, rot, k, k_dst);
+}
+
 // One group of tpr = 2^tpr_log2 lanes per (token, head) of layer blockIdx.y, NU units a lane,
 // V elements a vector. Registers: see the report of PTXAS_VERBOSE=1 .ci/nvcc_check.sh; the
 // vector path is held to 48 (5 blocks an SM, 80 KB of K and V in flight), no spills; with
@@ -273,24 +305,310 @@ __global__ void __launch_bounds__(kBlock, V > 1 ? (XRMS ? 4 : 5) : 1)
   }
   norm_units<E>(p.rope, lu, w, w_col, tpr, k);  // k <- T(T(k * rstd) * w); every lane
   if (!valid || slot < 0 || slot >= p.n_slots) return;  // padding, or past the cache
+  store_head_row<E>(p, layer, h, slot, pos, lu, k, v);
+}
 
-  int64_t block, brow;
-  if (p.slots32) {
-    const uint32_t b = p.div_bs.div(static_cast<uint32_t>(slot));
-    block = b;
-    brow = static_cast<uint32_t>(slot) - b * p.div_bs.d;
+// ---------------------------------------------------------------------------------------------
+// The fused path (sm_90, decode-sized calls: 1 <= T <= kFusedTokens, D = 128, bf16, or fp16
+// without hidden_rms): the GEMM and the epilogue in one launch, no kv[T, N] in memory.
+//
+// A cluster of kSplits CTAs a (layer, head): the 2D rows of w_kv that make the head's K and V
+// (w_kv row layer * 2 Hkv D + {0, Hkv D} + head D + d), H cut into kSplits slices of whole
+// kChunk steps, one a CTA. Warp w holds 32 rows (two m16 tiles: warps 0-3 the K rows, 4-7 the V
+// rows) and runs mma.sync m16n8k16 with the weight as A and the tokens as B's 8-wide columns
+// (NT column tiles, T <= 8 NT). A lane loads its A rows straight from global memory, 16
+// contiguous elements a row a step (two 16-byte loads; no shared-memory staging): the sum over
+// k does not care which k a fragment slot holds, so fragment slot (2c, 2c+1, 2c+8, 2c+9) of mma
+// j holds elements 16c + 4j + (0..3) of the step, and B's slots the same elements of x (one
+// 8-byte load a lane). Each CTA leaves its fp32 partial tile [token][row] in shared memory;
+// after a cluster barrier rank r sums a slice of the tile over the kSplits CTAs (distributed
+// shared memory, ranks in order: deterministic) into rank 0's tile; after a second barrier
+// rank 0 runs the epilogue of the XRMS kernel on its tile: T(acc + bias) (or, hidden_rms,
+// T(T(acc) * rstd_t + bias) with rstd_t from the sums of squares of x that the CTAs took of
+// their B fragments), K norm, RoPE, the paged stores.
+constexpr int kFusedTokens = 32;
+constexpr int kSplits = 8;  // CTAs a cluster (portable cluster size)
+constexpr int kChunk = 64;  // H elements a main-loop step
+constexpr int kFusedD = 128;
+
+struct FusedGemm {
+  const void* w;  // w_kv [N, H]: unit column stride, row stride w_st (elements, % 8 == 0)
+  int64_t w_st;
+  const void* x;  // x [T, H]: unit column stride, row stride x_st (% 8 == 0 when T > 1)
+  int64_t x_st;
+  int t;          // tokens, 1..kFusedTokens
+  int chunks;     // H / kChunk
+  int hkv;
+};
+
+// A 16-byte weight load that skips L1 (each weight byte is read once).
+__device__ __forceinline__ uint4 ld_stream16(const void* ptr) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(ptr));
+  return v;
+}
+
+template <bool BF>
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], uint32_t a0, uint32_t a1,
+                                             uint32_t a2, uint32_t a3, uint2 b) {
+  if constexpr (BF) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b.x), "r"(b.y));
   } else {
-    block = slot / p.block_size;
-    brow = slot - block * p.block_size;
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b.x), "r"(b.y));
   }
-  const CacheView kc = p.dst[layer][0], vc = p.dst[layer][1];  // block-uniform index
-  Bits* const k_dst = reinterpret_cast<Bits*>(kc.base + block * kc.s_block + brow * kc.s_row +
-                                              int64_t(h) * kc.s_head);
-  Bits* const v_dst = reinterpret_cast<Bits*>(vc.base + block * vc.s_block + brow * vc.s_row +
-                                              int64_t(h) * vc.s_head);
-  store_units(v_dst, lu, v);
-  const bool rot = pos >= 0 && pos < p.rope.n_pos;
-  rotate_store_units<E>(p.rope, lu, pos, rot, k, k_dst);
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+  __syncwarp();  // the .aligned barrier wants converged warps; the code before it branches
+  asm volatile("barrier.cluster.arrive.release.aligned;\n"
+               "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// addr (this CTA's shared memory) in CTA `rank` of the cluster
+__device__ __forceinline__ uint32_t cluster_map(uint32_t addr, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+__device__ __forceinline__ float4 ld_cluster4(uint32_t addr) {
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ float ld_cluster(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_cluster4(uint32_t addr, float4 v) {
+  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(v.x),
+               "f"(v.y), "f"(v.z), "f"(v.w)
+               : "memory");
+}
+#endif
+
+// The sum of squares of the four elements in b.
+template <class E>
+__device__ __forceinline__ float sq4(uint2 b) {
+  using Bits = typename E::Bits;
+  const float f0 = E::to_float(static_cast<Bits>(b.x & 0xffffu));
+  const float f1 = E::to_float(static_cast<Bits>(b.x >> 16));
+  const float f2 = E::to_float(static_cast<Bits>(b.y & 0xffffu));
+  const float f3 = E::to_float(static_cast<Bits>(b.y >> 16));
+  return fmaf(f3, f3, fmaf(f2, f2, fmaf(f1, f1, f0 * f0)));
+}
+
+// Registers: NT = 1 is held to 80 (3 CTAs an SM: the grid of 40 clusters of the Qwen3-8B
+// drafter is then one wave), NT = 4 to 128 (2 CTAs an SM).
+template <class E, int NT, bool NEOX, bool XRMS>
+__global__ void __launch_bounds__(kBlock, NT == 1 ? 3 : 2)
+    context_fused_kernel(const __grid_constant__ ContextParams<8> p,
+                         const __grid_constant__ FusedGemm g) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using Bits = typename E::Bits;
+  constexpr bool kBF = std::is_same<E, BF16>::value;
+  constexpr int D = kFusedD, MT = 2, NTOK = 8 * NT;
+  constexpr int PR = 2 * D + 4;          // a token's row of the partial tile (+4: bank spread)
+  constexpr int V = 16 / static_cast<int>(sizeof(Bits));
+  constexpr int TPR = D / (2 * V);       // epilogue lanes a token
+  static_assert(kBlock / TPR >= kFusedTokens, "one epilogue pass covers every token");
+  __shared__ __align__(16) float part_s[NTOK * PR];
+  __shared__ float ss_s[NTOK];
+
+  pdl_wait();  // x comes from the grid before
+  const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
+  const int gq = lane >> 2, cq = lane & 3;
+  const uint32_t rank = cluster_rank();
+  const int tile = static_cast<int>(blockIdx.x) / kSplits;
+  const int layer = tile / g.hkv, head = tile - layer * g.hkv;
+  const int row0 = (warp >> 2) * D + (warp & 3) * 16 * MT;  // the warp's first row of the tile
+  const Bits* const w =
+      static_cast<const Bits*>(g.w) +
+      (int64_t(layer) * p.s_layer + (warp >> 2) * p.s_v + int64_t(head) * D + (warp & 3) * 16 * MT +
+       gq) * g.w_st + cq * 16;
+  const Bits* const xb = static_cast<const Bits*>(g.x) + cq * 16;
+  const int c_lo = static_cast<int>(rank) * g.chunks / kSplits;
+  const int c_hi = (static_cast<int>(rank) + 1) * g.chunks / kSplits;
+
+  float acc[MT][NT][4];
+  float ssq[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    ssq[nt] = 0.f;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+  }
+  for (int c = c_lo; c < c_hi; ++c) {
+    const int64_t k0 = int64_t(c) * kChunk;
+    uint4 a[MT][2][2];  // [m tile][row g, g + 8][elements 0-7, 8-15 of the lane's 16]
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const Bits* const src = w + int64_t(mt * 16 + hr * 8) * g.w_st + k0;
+        a[mt][hr][0] = ld_stream16(src);
+        a[mt][hr][1] = ld_stream16(src + 8);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint2 b[NT];  // token nt * 8 + g, elements 4j .. 4j + 3 of the lane's 16
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int n = nt * 8 + gq;
+        b[nt] = n < g.t ? __ldg(reinterpret_cast<const uint2*>(xb + n * g.x_st + k0 + 4 * j))
+                        : make_uint2(0u, 0u);
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const uint4& lo = a[mt][0][j >> 1];
+        const uint4& hi = a[mt][1][j >> 1];
+        const bool odd = j & 1;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          mma_m16n8k16<kBF>(acc[mt][nt], odd ? lo.z : lo.x, odd ? hi.z : hi.x, odd ? lo.w : lo.y,
+                            odd ? hi.w : hi.y, b[nt]);
+        }
+      }
+      if (XRMS && warp == 0) {  // every warp sees the slice's x: warp 0 keeps the sums
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) ssq[nt] += sq4<E>(b[nt]);
+      }
+    }
+  }
+
+  // The partial tile: C fragment (row g / g + 8, columns 2c, 2c + 1) -> part_s[token][row]
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int r = row0 + mt * 16 + gq, n = nt * 8 + 2 * cq;
+      part_s[n * PR + r] = acc[mt][nt][0];
+      part_s[(n + 1) * PR + r] = acc[mt][nt][1];
+      part_s[n * PR + r + 8] = acc[mt][nt][2];
+      part_s[(n + 1) * PR + r + 8] = acc[mt][nt][3];
+    }
+  }
+  if constexpr (XRMS) {  // warp 0's sums over the slice's x
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      float s = ssq[nt];
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      s += __shfl_xor_sync(0xffffffffu, s, 2);
+      if (warp == 0 && cq == 0) ss_s[nt * 8 + gq] = s;
+    }
+  }
+  // rank 0's epilogue lanes: the token's position and slot, on their way across the barriers
+  const int t = static_cast<int>(threadIdx.x) / TPR, tl = static_cast<int>(threadIdx.x) % TPR;
+  const bool valid = t < g.t;
+  int64_t pos = -1, slot = -1;
+  if (rank == 0 && valid) {
+    pos = __ldg(p.pos + int64_t(t) * p.pos_stride);
+    slot = __ldg(p.slots + int64_t(t) * p.slot_stride);
+  }
+  cluster_sync();  // 1: every CTA's partial tile is in its shared memory
+
+  {  // rank r: its slice of the valid tokens' rows, summed over the cluster into rank 0
+    constexpr int kRowVecs = 2 * D / 4;  // float4s of a token's rows (the padding left out)
+    const int nvec = g.t * kRowVecs;
+    const int per = (nvec + kSplits - 1) / kSplits;
+    const int v_lo = static_cast<int>(rank) * per, v_hi = min(nvec, v_lo + per);
+    const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(part_s));
+    for (int i = v_lo + static_cast<int>(threadIdx.x); i < v_hi; i += kBlock) {
+      const int tok = i / kRowVecs;
+      const uint32_t addr = base + 4u * static_cast<uint32_t>(tok * PR + (i - tok * kRowVecs) * 4);
+      const uint32_t home = cluster_map(addr, 0);
+      float4 s = ld_cluster4(home);
+#pragma unroll
+      for (int q = 1; q < kSplits; ++q) {
+        const float4 o = ld_cluster4(cluster_map(addr, q));
+        s.x += o.x;
+        s.y += o.y;
+        s.z += o.z;
+        s.w += o.w;
+      }
+      st_cluster4(home, s);
+    }
+    if (XRMS && rank == 0 && static_cast<int>(threadIdx.x) < g.t) {
+      const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(ss_s + threadIdx.x));
+      float s = ss_s[threadIdx.x];
+      for (int q = 1; q < kSplits; ++q) s += ld_cluster(cluster_map(addr, q));
+      ss_s[threadIdx.x] = s;
+    }
+  }
+  cluster_sync();  // 2: rank 0 holds the sums; the others' shared memory is no longer read
+  if (rank != 0) return;
+
+  // The epilogue: TPR lanes a token (one pass: T <= kBlock / TPR), the XRMS kernel's units.
+  const LaneUnits<V, 1, NEOX> lu(p.rope, tl, TPR, valid, /*whole_row=*/true);
+  const Bits* const bias = static_cast<const Bits*>(p.bias);
+  const int64_t b_off = int64_t(layer) * p.s_layer + int64_t(head) * p.s_head;
+  Unit<Bits, V> k[1], v[1];
+  if (lu.act[0]) {
+    const float* const kr = part_s + t * PR;
+    Unit<Bits, V> bk, bv;
+    if (!XRMS && bias != nullptr) {  // the bias joins the fp32 sum (addmm's single rounding)
+      bk.a = load_weight<Bits, V>(bias + b_off + lu.off_a[0]);
+      bk.b = load_weight<Bits, V>(bias + b_off + lu.off_b[0]);
+      bv.a = load_weight<Bits, V>(bias + b_off + p.s_v + lu.off_a[0]);
+      bv.b = load_weight<Bits, V>(bias + b_off + p.s_v + lu.off_b[0]);
+    }
+    float ka[V], kb[V], va[V], vb[V];  // the row's units as float4s (rows on 16-byte lines)
+#pragma unroll
+    for (int q = 0; q < V; q += 4) {
+      *reinterpret_cast<float4*>(ka + q) = *reinterpret_cast<const float4*>(kr + lu.off_a[0] + q);
+      *reinterpret_cast<float4*>(kb + q) = *reinterpret_cast<const float4*>(kr + lu.off_b[0] + q);
+      *reinterpret_cast<float4*>(va + q) =
+          *reinterpret_cast<const float4*>(kr + D + lu.off_a[0] + q);
+      *reinterpret_cast<float4*>(vb + q) =
+          *reinterpret_cast<const float4*>(kr + D + lu.off_b[0] + q);
+    }
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      float fk_a = ka[e], fk_b = kb[e], fv_a = va[e], fv_b = vb[e];
+      if (!XRMS && bias != nullptr) {
+        fk_a += E::to_float(bk.a.e[e]);
+        fk_b += E::to_float(bk.b.e[e]);
+        fv_a += E::to_float(bv.a.e[e]);
+        fv_b += E::to_float(bv.b.e[e]);
+      }
+      k[0].a.e[e] = E::from_float(fk_a);
+      k[0].b.e[e] = E::from_float(fk_b);
+      v[0].a.e[e] = E::from_float(fv_a);
+      v[0].b.e[e] = E::from_float(fv_b);
+    }
+  } else {
+    k[0].a.raw = k[0].b.raw = v[0].a.raw = v[0].b.raw = typename Pack<Bits, V>::Raw{};
+  }
+  if constexpr (XRMS) {
+    const float r = valid ? rsqrtf(ss_s[t] * p.inv_h + p.rope.eps) : 0.f;
+    scale_units<E>(lu, r, bias == nullptr ? nullptr : bias + b_off, k);
+    scale_units<E>(lu, r, bias == nullptr ? nullptr : bias + b_off + p.s_v, v);
+  }
+  norm_units<E>(p.rope, lu, static_cast<const Bits*>(p.w) + int64_t(layer) * p.w_row, 1, TPR, k);
+  if (!valid || slot < 0 || slot >= p.n_slots) return;
+  store_head_row<E>(p, layer, static_cast<uint32_t>(head), slot, pos, lu, k, v);
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -401,25 +719,26 @@ void launch_dtype(const ContextParams<MAXL>& p, bool vec, bool neox, int tpr_log
   }
 }
 
-// The epilogue over kv [T, N] (contiguous rows): builds the parameters and launches.
+// The parameters of a call but kv's (p.kv, p.s_tok: the caller's). Returns whether the vector
+// path's conditions hold for everything but kv: for NeoX the halves and tail halves in whole
+// vectors, k_weight with unit column stride and 16-byte rows, the caches' row starts and
+// hidden_rms's bias on 16-byte boundaries. Sets p.rows; p.rope.units (which depends on the
+// path) is the caller's.
 // x_rms (hidden_rms, a defined tensor): x [T, H] with unit column stride, and bias_rms (or
 // undefined) [N] with unit stride, applied by the kernel after the 1 / rms(x_t) scaling.
 template <int MAXL>
-void run_epilogue(const at::Tensor& kv, const at::Tensor& k_weight, const at::Tensor& positions,
-                  const at::Tensor& cos_sin_cache, const at::Tensor& slot_mapping,
-                  at::TensorList k_caches, at::TensorList v_caches, double eps, bool is_neox,
-                  const at::Tensor& x_rms = at::Tensor(),
-                  const at::Tensor& bias_rms = at::Tensor()) {
-  const int64_t t = kv.size(0), n_layers = static_cast<int64_t>(k_caches.size());
+bool fill_params(ContextParams<MAXL>& p, int64_t t, const at::Tensor& k_weight,
+                 const at::Tensor& positions, const at::Tensor& cos_sin_cache,
+                 const at::Tensor& slot_mapping, at::TensorList k_caches,
+                 at::TensorList v_caches, double eps, bool is_neox, const at::Tensor& x_rms,
+                 const at::Tensor& bias_rms) {
+  const int64_t n_layers = static_cast<int64_t>(k_caches.size());
   const int64_t hkv = k_caches[0].size(2), d = k_caches[0].size(3);
-  const int64_t es = kv.element_size();
+  const int64_t es = k_caches[0].element_size();
   const int64_t vmax = 16 / es;
   const int64_t n_slots = k_caches[0].size(0) * k_caches[0].size(1);
 
-  ContextParams<MAXL> p{};
   p.rope = make_rotary_row(cos_sin_cache, d, eps);
-  p.kv = kv.data_ptr();
-  p.s_tok = t > 1 ? kv.stride(0) : 0;
   p.s_layer = 2 * hkv * d;
   p.s_v = hkv * d;
   p.s_head = d;
@@ -443,15 +762,12 @@ void run_epilogue(const at::Tensor& kv, const at::Tensor& k_weight, const at::Te
     p.h = static_cast<int>(x_rms.size(1));
     p.inv_h = p.h > 0 ? 1.f / static_cast<float>(p.h) : 0.f;
     p.x_vec = aligned16(p.x) && (t <= 1 || p.x_st % xv == 0) && p.h % xv == 0;
-    p.bias = bias_rms.defined() ? bias_rms.data_ptr() : nullptr;
   }
+  if (bias_rms.defined()) p.bias = bias_rms.data_ptr();
 
-  // The vector path: every row start (kv, caches) and k_weight row on 16-byte boundaries,
-  // k_weight with unit column stride, and for NeoX the halves and tail halves in whole vectors.
   bool vec = !is_neox || (p.rope.half % vmax == 0 && p.rope.tail_half % vmax == 0);
-  vec = vec && aligned16(p.kv) && p.s_tok % vmax == 0;  // s_layer, s_head: multiples of D
   vec = vec && aligned16(p.w) && p.w_row % vmax == 0 && p.w_col == 1;
-  vec = vec && (p.bias == nullptr || aligned16(p.bias));  // hidden_rms's bias: vector loads
+  vec = vec && (p.bias == nullptr || aligned16(p.bias));
   // Cache byte strides; those of size-1 dims never multiply a non-zero index: 0.
   auto bstride = [es](const at::Tensor& c, int dim) -> int64_t {
     return c.size(dim) > 1 ? c.stride(dim) * es : 0;
@@ -468,12 +784,31 @@ void run_epilogue(const at::Tensor& kv, const at::Tensor& k_weight, const at::Te
             cv.s_head % 16 == 0;
     }
   }
-
   const int64_t rows = t * hkv;
   TORCH_CHECK_VALUE(rows < std::numeric_limits<int32_t>::max(), "dflash.context_kv_: x has too "
                     "many tokens for one launch (T * Hkv = ", rows, " head rows a layer); split "
                     "the call over tokens");
   p.rows = static_cast<uint32_t>(rows);
+  return vec;
+}
+
+// The epilogue over kv [T, N] (contiguous rows): builds the parameters and launches.
+template <int MAXL>
+void run_epilogue(const at::Tensor& kv, const at::Tensor& k_weight, const at::Tensor& positions,
+                  const at::Tensor& cos_sin_cache, const at::Tensor& slot_mapping,
+                  at::TensorList k_caches, at::TensorList v_caches, double eps, bool is_neox,
+                  const at::Tensor& x_rms = at::Tensor(),
+                  const at::Tensor& bias_rms = at::Tensor()) {
+  const int64_t t = kv.size(0), n_layers = static_cast<int64_t>(k_caches.size());
+  const int64_t d = k_caches[0].size(3);
+  const int64_t vmax = 16 / kv.element_size();
+
+  ContextParams<MAXL> p{};
+  bool vec = fill_params(p, t, k_weight, positions, cos_sin_cache, slot_mapping, k_caches,
+                         v_caches, eps, is_neox, x_rms, bias_rms);
+  p.kv = kv.data_ptr();
+  p.s_tok = t > 1 ? kv.stride(0) : 0;
+  vec = vec && aligned16(p.kv) && p.s_tok % vmax == 0;  // s_layer, s_head: multiples of D
 
   // Lanes per row: the units of a row (D / (2V): <= 32 with vectors, <= 128 scalar) over lanes
   // of nu units each, at most 32 lanes.
@@ -483,7 +818,7 @@ void run_epilogue(const at::Tensor& kv, const at::Tensor& k_weight, const at::Te
   int tpr_log2 = 0;
   while ((1 << tpr_log2) * nu < p.rope.units && tpr_log2 < 5) ++tpr_log2;
   const int64_t rows_per_block = kBlock >> tpr_log2;
-  const dim3 grid(static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block),
+  const dim3 grid(static_cast<unsigned>((p.rows + rows_per_block - 1) / rows_per_block),
                   static_cast<unsigned>(n_layers));
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(kv.get_device()).stream();
@@ -498,6 +833,110 @@ void run_epilogue(const at::Tensor& kv, const at::Tensor& k_weight, const at::Te
       launch_dtype<F32>(p, vec, is_neox, tpr_log2, grid, stream);
       break;
   }
+}
+
+// The fused path's conditions (the block comment above context_fused_kernel) on the operands;
+// the caches and k_weight are fill_params's vector-path test. DFLASH_OPS_CONTEXT_FUSED=0 turns
+// the path off (read at each call: the benchmarks' A/B of the two paths in one process).
+bool fused_operands(const at::Tensor& x, const at::Tensor& w_kv,
+                    const std::optional<at::Tensor>& bias,
+                    const std::optional<at::Tensor>& hidden_norm_weight, bool hidden_rms,
+                    at::TensorList k_caches) {
+  const int64_t t = x.size(0), h = x.size(1);
+  const bool bf = x.scalar_type() == at::kBFloat16;
+  if (t < 1 || t > kFusedTokens || h <= 0 || h % kChunk != 0) return false;
+  if (!bf && !(x.scalar_type() == at::kHalf && !hidden_rms)) return false;
+  if (hidden_norm_weight.has_value() || k_caches.size() > 8) return false;
+  if (k_caches[0].size(3) != kFusedD) return false;
+  if (x.stride(1) != 1 || !aligned16(x.data_ptr()) || (t > 1 && x.stride(0) % 8 != 0)) return false;
+  if (w_kv.stride(1) != 1 || !aligned16(w_kv.data_ptr()) || w_kv.stride(0) % 8 != 0) return false;
+  if (bias.has_value() && (bias->stride(0) != 1 || !aligned16(bias->data_ptr()))) return false;
+  const char* env = std::getenv("DFLASH_OPS_CONTEXT_FUSED");
+  if (env != nullptr && env[0] == '0' && env[1] == '\0') return false;
+  return sm90_code();
+}
+
+// Launches and returns true, or returns false where this device cannot run one cluster of the
+// kernel at a time (a partitioned GPU: MIG, green contexts), asked once a device.
+template <class E, int NT, bool NEOX, bool XRMS>
+bool launch_fused(const ContextParams<8>& p, const FusedGemm& g, int64_t tiles,
+                  cudaStream_t stream) {
+  TORCH_CHECK(g.t >= 1 && g.t <= 8 * NT, "dflash.context_kv_: internal: ", g.t,
+              " tokens for a fused kernel of ", 8 * NT);
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = kSplits;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(tiles * kSplits));
+  cfg.blockDim = dim3(kBlock);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  static std::array<std::atomic<int>, 64> fits{};  // 0 unknown, 1 yes, 2 no
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= 64) return false;
+  if (fits[dev].load() == 0) {
+    int clusters = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(
+        &clusters, context_fused_kernel<E, NT, NEOX, XRMS>, &cfg));
+    fits[dev].store(clusters > 0 ? 1 : 2);
+  }
+  if (fits[dev].load() != 1) return false;
+  cfg.numAttrs = pdl_enabled() ? 2 : 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, context_fused_kernel<E, NT, NEOX, XRMS>, p, g));
+  return true;
+}
+
+template <class E, bool NEOX, bool XRMS>
+bool launch_fused_t(const ContextParams<8>& p, const FusedGemm& g, int64_t tiles,
+                    cudaStream_t stream) {
+  return g.t <= 8 ? launch_fused<E, 1, NEOX, XRMS>(p, g, tiles, stream)
+                  : launch_fused<E, 4, NEOX, XRMS>(p, g, tiles, stream);
+}
+
+// The fused path: returns false (nothing launched) where the caches or k_weight miss the
+// vector path's conditions, or the device cannot run the kernel's clusters.
+bool run_fused(const at::Tensor& x, const at::Tensor& w_kv, const std::optional<at::Tensor>& bias,
+               const at::Tensor& k_weight, const at::Tensor& positions,
+               const at::Tensor& cos_sin_cache, const at::Tensor& slot_mapping,
+               at::TensorList k_caches, at::TensorList v_caches, double eps, bool is_neox,
+               bool hidden_rms) {
+  const int64_t t = x.size(0), hkv = k_caches[0].size(2);
+  ContextParams<8> p{};
+  const at::Tensor x_rms = hidden_rms ? x : at::Tensor();
+  const at::Tensor b = bias.has_value() ? *bias : at::Tensor();
+  if (!fill_params(p, t, k_weight, positions, cos_sin_cache, slot_mapping, k_caches, v_caches,
+                   eps, is_neox, x_rms, b)) {
+    return false;
+  }
+  p.rope.units = static_cast<int>(kFusedD * x.element_size() / 32);  // D / (2 V)
+  FusedGemm g{};
+  g.w = w_kv.data_ptr();
+  g.w_st = w_kv.stride(0);
+  g.x = x.data_ptr();
+  g.x_st = t > 1 ? x.stride(0) : 0;
+  g.t = static_cast<int>(t);
+  g.chunks = static_cast<int>(x.size(1) / kChunk);
+  g.hkv = static_cast<int>(hkv);
+  const int64_t tiles = static_cast<int64_t>(k_caches.size()) * hkv;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
+  const bool bf = x.scalar_type() == at::kBFloat16;
+  if (bf && hidden_rms) {
+    return is_neox ? launch_fused_t<BF16, true, true>(p, g, tiles, stream)
+                   : launch_fused_t<BF16, false, true>(p, g, tiles, stream);
+  }
+  if (bf) {
+    return is_neox ? launch_fused_t<BF16, true, false>(p, g, tiles, stream)
+                   : launch_fused_t<BF16, false, false>(p, g, tiles, stream);
+  }
+  return is_neox ? launch_fused_t<F16, true, false>(p, g, tiles, stream)
+                 : launch_fused_t<F16, false, false>(p, g, tiles, stream);
 }
 
 }  // namespace
@@ -522,6 +961,11 @@ void context_kv_(const at::Tensor& x, const at::Tensor& w_kv,
   if (t == 0 || hkv == 0 || n_slots == 0) return;  // nothing to write
 
   const c10::cuda::CUDAGuard guard(x.device());
+  if (fused_operands(x, w_kv, bias, hidden_norm_weight, hidden_rms, k_caches) &&
+      run_fused(x, w_kv, bias, k_weight, positions, cos_sin_cache, slot_mapping, k_caches,
+                v_caches, eps, is_neox, hidden_rms)) {
+    return;
+  }
   // hidden_rms at up to kRmsFusedTokens tokens: the GEMM without the bias, then the epilogue
   // scales each row by 1 / rms(x_t) and adds the bias (one launch after the GEMM); above, a norm
   // pass with unit weights and the plain path (K / V then round at other points: equal to the

@@ -3,7 +3,7 @@
 The checks are those of tests/test_triton_context_kv_interp.py (whole cache buffers compared,
 untouched elements bit for bit, -1 and out-of-range slots, positions outside the table, K within
 2x the torch reference's error in the dtype, V within one rounding of it), run in bf16 (and a
-few fp16/fp32) over a grid: T 1/7/16/257/4096, L 1/5/8, Hkv 1/4/8, D 64/128/256,
+few fp16/fp32) over a grid: T 1/7/8/9/16/32/33/257/4096, L 1/5/8, Hkv 1/4/8, D 64/128/256,
 NeoX and GPT-J, full and partial rotary (one R not a power of two: the tl.gather path), caches as
 separate tensors and as vLLM views, hidden_norm on and off and folded into w_kv (hidden_rms);
 plus a CUDA-graph capture/replay.
@@ -75,6 +75,12 @@ CONTEXT_CASES = [
     (33, 2880, 8, 1, 64, 64, True, "separate", True, "rms"),     # Hkv 1: 32 tokens a block
     (100, 1001, 1, 1, 256, 256, False, "separate", True, "rms"),  # D 256, x rows unaligned
     (257, 2880, 8, 4, 64, 64, True, "nhd2", False, "rms"),       # above 256: norm pass
+    # the CUDA fused path's edges (T <= 32, D 128): 8 / 9 / 32 tokens (one and four column
+    # tiles), 65 steps of 64 over 8 splits, 2 steps (6 idle splits), T 33 (not fused)
+    (8, 4160, 2, 3, 128, 128, False, "hnd2d", True, False),
+    (9, 128, 1, 1, 128, 128, True, "separate", True, "rms"),
+    (32, 1024, 8, 2, 128, 64, True, "nhd2", False, "rms"),
+    (33, 1024, 2, 2, 128, 128, True, "nhd2", True, "rms"),
 ]
 
 
@@ -96,6 +102,38 @@ def test_context_kv(case, dtype, backend):
     gen = torch.Generator().manual_seed(t * 131 + h)
     interp.run_context_case(DEV, dtype, t, h, n_layers, hkv, d, r, neox, layout, bias, hn, gen,
                             nb=t // bs + 3, bs=bs, strided_table=(t % 2 == 1), backend=backend)
+
+
+# (T, H, L, Hkv, R, neox, layout, bias, hidden_norm, dtype, fused): whether the CUDA fused
+# kernel (GEMM + epilogue, one launch) serves the call
+FUSED_CASES = [
+    (1, 4096, 5, 8, 128, True, "nhd2", False, "rms", BF16, True),   # the plugin's decode call
+    (8, 4160, 2, 3, 128, False, "hnd2d", True, False, BF16, True),  # uneven splits, bias
+    (9, 128, 1, 1, 128, True, "separate", True, "rms", BF16, True),  # 6 of 8 splits idle
+    (32, 1024, 8, 2, 64, False, "nhd2", False, "rms", BF16, True),
+    (31, 2048, 3, 4, 128, True, "separate", True, False, FP16, True),
+    (16, 1024, 2, 2, 128, True, "nhd2", False, "rms", FP16, False),  # fp16 hidden_rms: not
+    (33, 1024, 2, 2, 128, True, "nhd2", True, False, BF16, False),   # T > 32: not
+    (4, 1000, 2, 2, 128, True, "nhd2", False, False, BF16, False),   # H % 64 != 0: not
+]
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"T{c[0]}_H{c[1]}_{c[9]}")
+@pytest.mark.parametrize("switch", ["on", "off"])
+def test_context_kv_fused_path(case, switch, monkeypatch):
+    """The CUDA op takes its fused kernel exactly where its conditions hold (and not with
+    DFLASH_OPS_CONTEXT_FUSED=0), and either path matches the reference."""
+    _need("context_kv_", "cuda")
+    t, h, n_layers, hkv, r, neox, layout, bias, hn, dtype, fused = case
+    if switch == "off":
+        monkeypatch.setenv("DFLASH_OPS_CONTEXT_FUSED", "0")
+    gen = torch.Generator().manual_seed(t * 7 + h)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        interp.run_context_case(DEV, dtype, t, h, n_layers, hkv, 128, r, neox, layout, bias, hn,
+                                gen, nb=t // 16 + 3, bs=16, strided_table=(t % 2 == 1),
+                                backend="cuda")
+    ran = any("context_fused_kernel" in e.key for e in prof.key_averages())
+    assert ran == (fused and switch == "on"), f"fused kernel ran: {ran}"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -110,7 +110,8 @@ def _debug_context(x, w, b, kw, positions, cache, slots, kc, vc, eps, neox, hn=N
 
 # Default cuda (Qwen3-8B: H 4096, N 10240, bf16, graph replay): cuda vs triton 26.7 vs 30.8 us
 # at T = 64, 39.8 vs 48.1 at 256, 542 vs 571 at 4096, 2150 vs 2294 at 16384; triton is ahead
-# only at T <= 16 (23.8 vs 25.4 us at T = 1).
+# only at T <= 16 (23.8 vs 25.4 us at T = 1). Since session 27 the CUDA op runs one fused kernel
+# (GEMM + epilogue, thread-block clusters) at 1-32 rows on sm_90: csrc/context.cu.
 dispatch.define_op(
     "context_kv_(Tensor x, Tensor w_kv, Tensor? bias, Tensor k_weight, Tensor positions, "
     "Tensor cos_sin_cache, Tensor slot_mapping, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
