@@ -422,6 +422,7 @@ template <class E, int NT, bool NEOX, bool XRMS>
 __global__ void __launch_bounds__(kBlock, NT == 1 ? 3 : 2)
     context_fused_kernel(const __grid_constant__ ContextParams<8> p,
                          const __grid_constant__ FusedGemm g) {
+  pdl_wait();  // x comes from the grid before
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Bits = typename E::Bits;
   constexpr bool kBF = std::is_same<E, BF16>::value;
@@ -433,7 +434,6 @@ __global__ void __launch_bounds__(kBlock, NT == 1 ? 3 : 2)
   __shared__ __align__(16) float part_s[NTOK * PR];
   __shared__ float ss_s[NTOK];
 
-  pdl_wait();  // x comes from the grid before
   const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
   const int gq = lane >> 2, cq = lane & 3;
   const uint32_t rank = cluster_rank();
