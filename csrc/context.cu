@@ -1,6 +1,7 @@
 // The context K/V path: kv_proj and context_kv_ (references: dflash_ops/ops/context.py).
 //
-//   kv_proj      x[T, H] @ w_kv[N, H]^T (+ bias[N]) -> [T, N], through ATen (cuBLAS)
+//   kv_proj      x[T, H] @ w_kv[N, H]^T (+ bias[N]) -> [T, N], through ATen (cuBLAS), or at
+//                1-32 rows on sm_90 the skinny kernel (the fused path's GEMM alone, any N)
 //   context_kv_  (hidden RMSNorm of x) -> kv = kv_proj(x, w_kv, bias) [T, N = L*2*Hkv*D] ->
 //                one epilogue launch over kv viewed as [T, L, 2, Hkv, D]: every layer's K row
 //                normalised with k_weight[l] and rotated, written with its V row into layer l's
@@ -36,6 +37,7 @@
 #include "rope_common.cuh"
 
 #include <ATen/ops/addmm.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/ones.h>
 #include <c10/cuda/CUDAException.h>
@@ -416,6 +418,93 @@ __device__ __forceinline__ float sq4(uint2 b) {
   return fmaf(f3, f3, fmaf(f2, f2, fmaf(f1, f1, f0 * f0)));
 }
 
+// The split-K main loop of the cluster GEMMs (context_fused_kernel, skinny_kernel): acc (zeroed
+// here) = this warp's MT m16 tiles of weight rows times the tokens' x rows over the 64-element
+// steps [c_lo, c_hi). w: the lane's first row (the warp's row g) at its 16 elements (+ 16 c);
+// a row at or past rows_left (counted from the warp's first row) reads as zero. xb: x at the
+// lane's 16 elements (+ 16 c); tokens >= t read as zero. With ssq_on, ssq[nt] sums the squares
+// of the x elements the lane's B fragments held (token nt * 8 + g, a quarter of each step).
+template <class E, int MT, int NT>
+__device__ __forceinline__ void split_k_steps(const typename E::Bits* w, int64_t w_st,
+                                              int rows_left, const typename E::Bits* xb,
+                                              int64_t x_st, int t, int c_lo, int c_hi,
+                                              bool ssq_on, float (&acc)[MT][NT][4],
+                                              float (&ssq)[NT]) {
+  using Bits = typename E::Bits;
+  constexpr bool kBF = std::is_same<E, BF16>::value;
+  const int gq = static_cast<int>(threadIdx.x & 31) >> 2;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    ssq[nt] = 0.f;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+  }
+  for (int c = c_lo; c < c_hi; ++c) {
+    const int64_t k0 = int64_t(c) * kChunk;
+    uint4 a[MT][2][2];  // [m tile][row g, g + 8][elements 0-7, 8-15 of the lane's 16]
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = mt * 16 + hr * 8;
+        const Bits* const src = w + int64_t(r) * w_st + k0;
+        if (r + gq < rows_left) {
+          a[mt][hr][0] = ld_stream16(src);
+          a[mt][hr][1] = ld_stream16(src + 8);
+        } else {
+          a[mt][hr][0] = a[mt][hr][1] = make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint2 b[NT];  // token nt * 8 + g, elements 4j .. 4j + 3 of the lane's 16
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int n = nt * 8 + gq;
+        b[nt] = n < t ? __ldg(reinterpret_cast<const uint2*>(xb + n * x_st + k0 + 4 * j))
+                      : make_uint2(0u, 0u);
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const uint4& lo = a[mt][0][j >> 1];
+        const uint4& hi = a[mt][1][j >> 1];
+        const bool odd = j & 1;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          mma_m16n8k16<kBF>(acc[mt][nt], odd ? lo.z : lo.x, odd ? hi.z : hi.x, odd ? lo.w : lo.y,
+                            odd ? hi.w : hi.y, b[nt]);
+        }
+      }
+      if (ssq_on) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) ssq[nt] += sq4<E>(b[nt]);
+      }
+    }
+  }
+}
+
+// The warp's C fragments (row g / g + 8 of each m tile, columns 2c, 2c + 1 of each column
+// tile) into part_s[token][row0 + row], PR floats a token.
+template <int MT, int NT, int PR>
+__device__ __forceinline__ void store_partial(float* part_s, int row0,
+                                              const float (&acc)[MT][NT][4]) {
+  const int lane = static_cast<int>(threadIdx.x & 31), gq = lane >> 2, cq = lane & 3;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int r = row0 + mt * 16 + gq, n = nt * 8 + 2 * cq;
+      part_s[n * PR + r] = acc[mt][nt][0];
+      part_s[(n + 1) * PR + r] = acc[mt][nt][1];
+      part_s[n * PR + r + 8] = acc[mt][nt][2];
+      part_s[(n + 1) * PR + r + 8] = acc[mt][nt][3];
+    }
+  }
+}
+
 // Registers: NT = 1 is held to 80 (3 CTAs an SM: the grid of 40 clusters of the Qwen3-8B
 // drafter is then one wave), NT = 4 to 128 (2 CTAs an SM).
 template <class E, int NT, bool NEOX, bool XRMS>
@@ -425,7 +514,6 @@ __global__ void __launch_bounds__(kBlock, NT == 1 ? 3 : 2)
   pdl_wait();  // x comes from the grid before
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Bits = typename E::Bits;
-  constexpr bool kBF = std::is_same<E, BF16>::value;
   constexpr int D = kFusedD, MT = 2, NTOK = 8 * NT;
   constexpr int PR = 2 * D + 4;          // a token's row of the partial tile (+4: bank spread)
   constexpr int V = 16 / static_cast<int>(sizeof(Bits));
@@ -450,65 +538,9 @@ __global__ void __launch_bounds__(kBlock, NT == 1 ? 3 : 2)
 
   float acc[MT][NT][4];
   float ssq[NT];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    ssq[nt] = 0.f;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
-  }
-  for (int c = c_lo; c < c_hi; ++c) {
-    const int64_t k0 = int64_t(c) * kChunk;
-    uint4 a[MT][2][2];  // [m tile][row g, g + 8][elements 0-7, 8-15 of the lane's 16]
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const Bits* const src = w + int64_t(mt * 16 + hr * 8) * g.w_st + k0;
-        a[mt][hr][0] = ld_stream16(src);
-        a[mt][hr][1] = ld_stream16(src + 8);
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      uint2 b[NT];  // token nt * 8 + g, elements 4j .. 4j + 3 of the lane's 16
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const int n = nt * 8 + gq;
-        b[nt] = n < g.t ? __ldg(reinterpret_cast<const uint2*>(xb + n * g.x_st + k0 + 4 * j))
-                        : make_uint2(0u, 0u);
-      }
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const uint4& lo = a[mt][0][j >> 1];
-        const uint4& hi = a[mt][1][j >> 1];
-        const bool odd = j & 1;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          mma_m16n8k16<kBF>(acc[mt][nt], odd ? lo.z : lo.x, odd ? hi.z : hi.x, odd ? lo.w : lo.y,
-                            odd ? hi.w : hi.y, b[nt]);
-        }
-      }
-      if (XRMS && warp == 0) {  // every warp sees the slice's x: warp 0 keeps the sums
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) ssq[nt] += sq4<E>(b[nt]);
-      }
-    }
-  }
-
-  // The partial tile: C fragment (row g / g + 8, columns 2c, 2c + 1) -> part_s[token][row]
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const int r = row0 + mt * 16 + gq, n = nt * 8 + 2 * cq;
-      part_s[n * PR + r] = acc[mt][nt][0];
-      part_s[(n + 1) * PR + r] = acc[mt][nt][1];
-      part_s[n * PR + r + 8] = acc[mt][nt][2];
-      part_s[(n + 1) * PR + r + 8] = acc[mt][nt][3];
-    }
-  }
+  split_k_steps<E, MT, NT>(w, g.w_st, 2 * D, xb, g.x_st, g.t, c_lo, c_hi, XRMS && warp == 0,
+                           acc, ssq);
+  store_partial<MT, NT, PR>(part_s, row0, acc);
   if constexpr (XRMS) {  // warp 0's sums over the slice's x
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
@@ -608,6 +640,91 @@ __global__ void __launch_bounds__(kBlock, NT == 1 ? 3 : 2)
   norm_units<E>(p.rope, lu, static_cast<const Bits*>(p.w) + int64_t(layer) * p.w_row, 1, TPR, k);
   if (!valid || slot < 0 || slot >= p.n_slots) return;
   store_head_row<E>(p, layer, static_cast<uint32_t>(head), slot, pos, lu, k, v);
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// kv_proj's skinny path (sm_90, 1 <= T <= kFusedTokens, bf16 / fp16, H a multiple of 64): the
+// fused kernel's GEMM without its epilogue, for any N. A CTA holds 128 MT rows of w (8 warps of
+// MT m16 tiles), a cluster of `splits` CTAs (1-8, from the shape: skinny_plan) cuts H; after a
+// cluster barrier rank r sums its slice of the [T][rows] tile over the cluster (ranks in
+// order), adds the bias in fp32 and rounds once into out (F.linear's single rounding), and a
+// second barrier keeps every CTA's shared memory alive until the last read.
+struct SkinnyGemm {
+  const void* w;     // [N, H], unit column stride, row stride w_st (% 8 == 0)
+  int64_t w_st;
+  const void* x;     // [T, H], unit column stride, row stride x_st (% 8 == 0 when T > 1)
+  int64_t x_st;
+  const void* bias;  // [N] with unit stride, or null
+  void* out;         // [T, N] contiguous
+  int64_t n;
+  int t;
+  int chunks;        // H / kChunk
+  int splits;        // CTAs a cluster
+};
+
+template <class E, int MT, int NT>
+__global__ void __launch_bounds__(kBlock, NT == 1 ? 3 : 2)
+    skinny_kernel(const __grid_constant__ SkinnyGemm g) {
+  pdl_wait();  // x comes from the grid before
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using Bits = typename E::Bits;
+  constexpr int ROWS = kWarps * 16 * MT, NTOK = 8 * NT, PR = ROWS + 4;
+  constexpr int kRowVecs = ROWS / 4;
+  __shared__ __align__(16) float part_s[NTOK * PR];
+
+  const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
+  const int gq = lane >> 2, cq = lane & 3;
+  const int rank = g.splits > 1 ? static_cast<int>(cluster_rank()) : 0;
+  const int64_t n0 = int64_t(blockIdx.x / g.splits) * ROWS;
+  const int row0 = warp * 16 * MT;
+  const int64_t left = g.n - n0 - row0;  // the warp's rows inside w (may be <= 0)
+  const int rows_left = static_cast<int>(left < 0 ? 0 : (left > 16 * MT ? 16 * MT : left));
+  const Bits* const w = static_cast<const Bits*>(g.w) + (n0 + row0 + gq) * g.w_st + cq * 16;
+  const Bits* const xb = static_cast<const Bits*>(g.x) + cq * 16;
+  const int c_lo = rank * g.chunks / g.splits, c_hi = (rank + 1) * g.chunks / g.splits;
+
+  float acc[MT][NT][4];
+  float ssq[NT];
+  split_k_steps<E, MT, NT>(w, g.w_st, rows_left, xb, g.x_st, g.t, c_lo, c_hi, false, acc, ssq);
+  store_partial<MT, NT, PR>(part_s, row0, acc);
+  if (g.splits > 1) {
+    cluster_sync();  // 1: every CTA's partial tile is in its shared memory
+  } else {
+    __syncthreads();
+  }
+  const int nvec = g.t * kRowVecs;
+  const int per = (nvec + g.splits - 1) / g.splits;
+  const int v_lo = rank * per, v_hi = min(nvec, v_lo + per);
+  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(part_s));
+  const Bits* const bias = static_cast<const Bits*>(g.bias);
+  Bits* const out = static_cast<Bits*>(g.out);
+  for (int i = v_lo + static_cast<int>(threadIdx.x); i < v_hi; i += kBlock) {
+    const int tok = i / kRowVecs, col = (i - tok * kRowVecs) * 4;
+    float4 s;
+    if (g.splits > 1) {
+      const uint32_t addr = base + 4u * static_cast<uint32_t>(tok * PR + col);
+      s = ld_cluster4(cluster_map(addr, 0));
+      for (int q = 1; q < g.splits; ++q) {
+        const float4 o = ld_cluster4(cluster_map(addr, static_cast<uint32_t>(q)));
+        s.x += o.x;
+        s.y += o.y;
+        s.z += o.z;
+        s.w += o.w;
+      }
+    } else {
+      s = *reinterpret_cast<const float4*>(part_s + tok * PR + col);
+    }
+    const float v[4] = {s.x, s.y, s.z, s.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int64_t n = n0 + col + e;
+      if (n >= g.n) break;
+      const float b = bias != nullptr ? E::to_float(bias[n]) : 0.f;
+      out[int64_t(tok) * g.n + n] = E::from_float(v[e] + b);
+    }
+  }
+  if (g.splits > 1) cluster_sync();  // 2: the others' shared memory is no longer read
 #endif
 }
 
@@ -882,9 +999,12 @@ bool launch_fused(const ContextParams<8>& p, const FusedGemm& g, int64_t tiles,
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   if (dev < 0 || dev >= 64) return false;
   if (fits[dev].load() == 0) {
-    int clusters = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(
-        &clusters, context_fused_kernel<E, NT, NEOX, XRMS>, &cfg));
+    int clusters = 0;  // a failed query (cleared) counts as no room
+    if (cudaOccupancyMaxActiveClusters(&clusters, context_fused_kernel<E, NT, NEOX, XRMS>,
+                                       &cfg) != cudaSuccess) {
+      (void)cudaGetLastError();
+      clusters = 0;
+    }
     fits[dev].store(clusters > 0 ? 1 : 2);
   }
   if (fits[dev].load() != 1) return false;
@@ -939,12 +1059,129 @@ bool run_fused(const at::Tensor& x, const at::Tensor& w_kv, const std::optional<
                  : launch_fused_t<F16, false, false>(p, g, tiles, stream);
 }
 
+// kv_proj's skinny path (skinny_kernel): whether it takes x [T, H] @ w [N, H]^T (+ bias).
+bool skinny_operands(const at::Tensor& x, const at::Tensor& w,
+                     const std::optional<at::Tensor>& bias) {
+  const int64_t t = x.size(0), h = x.size(1), n = w.size(0);
+  if (t < 1 || t > kFusedTokens || h <= 0 || h % kChunk != 0 || n < 1) return false;
+  if (n >= std::numeric_limits<int32_t>::max() / 2) return false;
+  if (x.scalar_type() != at::kBFloat16 && x.scalar_type() != at::kHalf) return false;
+  if (x.stride(1) != 1 || !aligned16(x.data_ptr()) || (t > 1 && x.stride(0) % 8 != 0)) return false;
+  if (w.stride(1) != 1 || !aligned16(w.data_ptr()) || w.stride(0) % 8 != 0) return false;
+  if (bias.has_value() && bias->stride(0) != 1) return false;
+  return sm90_code();
+}
+
+// The skinny kernel's launch for N rows, H / 64 = steps: m tiles a warp (MT: 2 = 256 rows a CTA,
+// 1 = 128) and CTAs a cluster (splits, at most 8: a portable cluster), from the shape alone.
+// Splits double while the grid is under two CTAs an SM and each CTA keeps >= 4 steps;
+// 256-row CTAs where that reaches 1.5 CTAs an SM, else 128-row ones (Qwen3-8B at these rows:
+// o_proj 32 x 8, qkv 48 x 8, gate_up 96 x 4 (256 rows), down 32 x 8, the LM head 594 x 1).
+struct SkinnyPlan {
+  int mt, splits;
+  int64_t tiles;
+};
+SkinnyPlan skinny_plan(int64_t n, int64_t steps, int sms) {
+  SkinnyPlan plan{};
+  for (int mt : {2, 1}) {
+    const int64_t tiles = (n + 128 * mt - 1) / (128 * mt);
+    int splits = 1;
+    while (splits < kSplits && tiles * splits < 2 * sms && steps >= 8 * splits) splits *= 2;
+    plan = SkinnyPlan{mt, splits, tiles};
+    if (2 * tiles * splits >= 3 * sms) break;
+  }
+  return plan;
+}
+
+template <class E, int MT, int NT>
+bool launch_skinny(const SkinnyGemm& g, int64_t tiles, cudaStream_t stream) {
+  cudaLaunchAttribute attr[2];
+  int na = 0;
+  if (g.splits > 1) {
+    attr[na].id = cudaLaunchAttributeClusterDimension;
+    attr[na].val.clusterDim.x = static_cast<unsigned>(g.splits);
+    attr[na].val.clusterDim.y = 1;
+    attr[na].val.clusterDim.z = 1;
+    ++na;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(tiles * g.splits));
+  cfg.blockDim = dim3(kBlock);
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = na;
+  if (g.splits > 1) {  // a device that cannot hold the cluster (MIG, green contexts): cuBLAS
+    static std::array<std::array<std::atomic<int>, kSplits + 1>, 64> fits{};
+    int dev = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&dev));
+    if (dev < 0 || dev >= 64) return false;
+    std::atomic<int>& f = fits[dev][g.splits];
+    if (f.load() == 0) {
+      int clusters = 0;  // a failed query (cleared) counts as no room
+      if (cudaOccupancyMaxActiveClusters(&clusters, skinny_kernel<E, MT, NT>, &cfg) !=
+          cudaSuccess) {
+        (void)cudaGetLastError();
+        clusters = 0;
+      }
+      f.store(clusters > 0 ? 1 : 2);
+    }
+    if (f.load() != 1) return false;
+  }
+  if (pdl_enabled()) {
+    attr[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[na].val.programmaticStreamSerializationAllowed = 1;
+    cfg.numAttrs = ++na;
+  }
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, skinny_kernel<E, MT, NT>, g));
+  return true;
+}
+
+template <class E, int MT>
+bool launch_skinny_t(const SkinnyGemm& g, int64_t tiles, cudaStream_t stream) {
+  if (g.t <= 8) return launch_skinny<E, MT, 1>(g, tiles, stream);
+  if (g.t <= 16) return launch_skinny<E, MT, 2>(g, tiles, stream);
+  return launch_skinny<E, MT, 4>(g, tiles, stream);
+}
+
+// out = x @ w^T (+ bias) by skinny_kernel; false (nothing launched) where the device cannot
+// run its cluster.
+bool run_skinny(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                at::Tensor& out) {
+  const int64_t t = x.size(0), n = w.size(0);
+  SkinnyGemm g{};
+  g.w = w.data_ptr();
+  g.w_st = w.stride(0);
+  g.x = x.data_ptr();
+  g.x_st = t > 1 ? x.stride(0) : 0;
+  g.bias = bias.has_value() ? bias->data_ptr() : nullptr;
+  g.out = out.data_ptr();
+  g.n = n;
+  g.t = static_cast<int>(t);
+  g.chunks = static_cast<int>(x.size(1) / kChunk);
+  int dev = 0, sms = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const SkinnyPlan plan = skinny_plan(n, g.chunks, sms);
+  g.splits = plan.splits;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
+  if (x.scalar_type() == at::kBFloat16) {
+    return plan.mt == 2 ? launch_skinny_t<BF16, 2>(g, plan.tiles, stream)
+                        : launch_skinny_t<BF16, 1>(g, plan.tiles, stream);
+  }
+  return plan.mt == 2 ? launch_skinny_t<F16, 2>(g, plan.tiles, stream)
+                      : launch_skinny_t<F16, 1>(g, plan.tiles, stream);
+}
+
 }  // namespace
 
 at::Tensor kv_proj(const at::Tensor& x, const at::Tensor& w_kv,
                    const std::optional<at::Tensor>& bias) {
   check_proj("kv_proj", x, w_kv, bias);
   const c10::cuda::CUDAGuard guard(x.device());
+  if (skinny_operands(x, w_kv, bias)) {  // 1-32 rows on sm_90: skinny_kernel
+    at::Tensor out = at::empty({x.size(0), w_kv.size(0)}, x.options());
+    if (run_skinny(x, w_kv, bias, out)) return out;
+  }
   return project(x, w_kv, bias);
 }
 

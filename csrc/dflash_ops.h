@@ -74,7 +74,9 @@ void store_kv_(const at::Tensor& k, const at::Tensor& v, at::TensorList k_caches
 //   x: [T, H] bf16/fp16/fp32; w_kv: [N, H] (layer-major L*2*Hkv*D rows for the context path);
 //   bias: [N]; all of x's dtype, any strides. Returns x @ w_kv^T (+ bias) as a new contiguous
 //   [T, N] tensor in x's dtype, through cuBLAS (at::mm / at::addmm: fp32 accumulation, one
-//   rounding). T, N or H may be 0 (H = 0: the bias broadcast, or zeros).
+//   rounding), or at 1-32 rows on sm_90 (bf16 / fp16, H a multiple of 64, aligned rows) our
+//   skinny kernel (split-K over a thread-block cluster; fp32 accumulation, one rounding).
+//   T, N or H may be 0 (H = 0: the bias broadcast, or zeros).
 at::Tensor kv_proj(const at::Tensor& x, const at::Tensor& w_kv,
                    const std::optional<at::Tensor>& bias);
 

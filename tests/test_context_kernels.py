@@ -48,6 +48,25 @@ def test_kv_proj(shape, dtype, backend):
     interp.check_kv_proj(DEV, (dtype,), shapes=(shape,), backend=backend)
 
 
+# kv_proj's CUDA skinny kernel (1-32 rows, H % 64 == 0, sm_90; csrc/context.cu skinny_plan):
+# o_proj (128-row CTAs, 8 splits), gate_up (256 rows, 4 splits), down, DFlash 2's proj2, N
+# tails (1000, 777, 33000), 2 steps (no split), 10 steps over 2 splits, 1 / 9 / 16 / 24 / 32 rows
+# (32 rows of gate_up: 256-row CTAs with four column tiles)
+SKINNY_SHAPES = [(1, 4096, 4096), (16, 4096, 24576), (32, 12288, 4096), (9, 5120, 1280),
+                 (3, 128, 1000), (24, 640, 777), (2, 1024, 33000), (32, 4096, 24576)]
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+@pytest.mark.parametrize("shape", SKINNY_SHAPES, ids=lambda s: "T{}_H{}_N{}".format(*s))
+def test_kv_proj_skinny(shape, dtype):
+    """The CUDA kv_proj takes its skinny kernel at these shapes (x a column slice of a wider
+    buffer, with and without bias), within the tolerance rule of the torch reference."""
+    _need("kv_proj", "cuda")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        interp.check_kv_proj(DEV, (dtype,), shapes=(shape,), backend="cuda")
+    assert any("skinny_kernel" in e.key for e in prof.key_averages()), "the skinny kernel did not run"
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_kv_proj_fp32(backend):
     _need("kv_proj", backend)

@@ -44,6 +44,29 @@ def test_parse_table_rejects_a_short_cfg():
         L.parse_table(_doc((4096, 4096, 16, CFG + [4, False, 1], 20.0, 25.0)))
 
 
+def test_parse_table_takes_a_cuda_entry_where_the_skinny_kernel_won():
+    docs = {"entries": [dict(n=4096, k=4096, m=1, cfg=["cuda"], triton_us=21.0, cublas_us=22.0,
+                             skinny_us=19.0),
+                        dict(n=4096, k=4096, m=8, cfg=["cuda"], triton_us=None, cublas_us=22.0,
+                             skinny_us=23.0),  # not a win: cuBLAS
+                        dict(n=6144, k=4096, m=16, cfg=["cuda"], triton_us=None,
+                             cublas_us=22.0)]}  # no time: left out
+    assert L.parse_table(docs) == {(4096, 4096): {1: L.CUDA_CFG}}
+
+
+def test_choice_takes_a_cuda_entry_eager_too(monkeypatch):
+    monkeypatch.setattr(L, "TABLE", {(64, 32): {1: L.CUDA_CFG, 64: L.CUDA_CFG}})
+    monkeypatch.setattr(L, "TABLE_GPU", None)
+    monkeypatch.setattr(L.dispatch, "has_backend", lambda op, backend: True)
+    cuda = torch.device("cuda")
+    assert L.choice(1, 64, 32, torch.bfloat16, cuda, graph=False) == L.CUDA_CFG  # a C++ launch
+    assert L.choice(1, 64, 32, torch.bfloat16, cuda, graph=True) == L.CUDA_CFG
+    assert L.choice(40, 64, 32, torch.bfloat16, cuda, graph=True) is None  # past 32 rows
+    assert L.choice(1, 64, 32, torch.float32, cuda, graph=True) is None
+    monkeypatch.setattr(L.dispatch, "has_backend", lambda op, backend: False)  # no extension
+    assert L.choice(1, 64, 32, torch.bfloat16, cuda, graph=True) is None
+
+
 def test_shipped_table_loads():
     """The committed linear_table.json parses (a field added to ProjCfg once made the sweep
     write 10-field entries the parser refused: every import of models.linear failed)."""
@@ -115,6 +138,30 @@ def test_triton_path_matches_f_linear_gpu(monkeypatch, m):
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=2e-2)
     torch.testing.assert_close(L.linear(x, w, b).float(), want, atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 32])
+def test_cuda_entry_runs_the_skinny_kernel_gpu(monkeypatch, m):
+    """A CUDA_CFG entry: models.linear runs the C++ kv_proj's skinny kernel, eager and under
+    graph replay, and matches F.linear."""
+    if not dispatch.has_backend("kv_proj", "cuda"):
+        pytest.skip("no CUDA extension")
+    n, k = 4096, 1024
+    monkeypatch.setattr(L, "TABLE", {(n, k): {L.m_bucket(m): L.CUDA_CFG}})
+    monkeypatch.setattr(L, "TABLE_GPU", None)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    want = F.linear(x.float(), w.float(), b.float())
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        eager = L.linear(x, w, b)
+        torch.cuda.synchronize()
+    assert any("skinny_kernel" in e.key for e in prof.key_averages())
+    torch.testing.assert_close(eager.float(), want, atol=3e-2, rtol=2e-2)
+    g, got = dispatch.capture_graph(lambda: L.linear(x, w, b))
+    g.replay()
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=2e-2)
 
 
 def test_the_table_holds_only_on_the_gpu_it_was_measured_on(monkeypatch):

@@ -56,7 +56,8 @@ def check_kv_proj(device, dtypes=INTERP_DTYPES,
                     x = torch.cat([x, _rnd(gen, t, 8, dtype=dtype, device=device)], 1)[:, :h]
                 w = _rnd(gen, n, h, dtype=dtype, device=device, scale=scale)
                 b = _rnd(gen, n, dtype=dtype, device=device) if with_bias else None
-                ref = OPS.kv_proj(x, w, b)
+                with dflash_ops.use_backend("torch", ops=["kv_proj"]):  # the reference
+                    ref = OPS.kv_proj(x, w, b)
                 ref32 = torch.nn.functional.linear(x.float(), w.float(),
                                                    None if b is None else b.float())
                 for cfg in cfgs:
@@ -67,7 +68,10 @@ def check_kv_proj(device, dtypes=INTERP_DTYPES,
                         from dflash_ops.triton.context import kv_proj
                         out = kv_proj(x, w, b, cfg=cfg)
                     assert out.shape == (t, n) and out.dtype == dtype, f"{what} {cfg}"
-                    _tol_check(out, ref, ref32, f"{what} {cfg}")
+                    # on CUDA cuBLAS's own rounding (its split-K may reduce in the dtype) joins
+                    # the base: the default backend's kv_proj is cuBLAS above 32 rows
+                    alt = (torch.nn.functional.linear(x, w, b),) if x.is_cuda else ()
+                    _tol_check(out, ref, ref32, f"{what} {cfg}", alt)
 
 
 # ------------------------------------------------------------------------------------ context_kv_

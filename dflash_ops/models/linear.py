@@ -1,4 +1,5 @@
-"""The models' linear layers: cuBLAS (``F.linear``) or our Triton skinny GEMM, per shape.
+"""The models' linear layers: cuBLAS (``F.linear``), our Triton GEMM or our CUDA skinny GEMM, per
+shape.
 
 ``linear(x, w, b)`` computes ``x @ w^T + b`` like ``F.linear``. On CUDA, for bf16/fp16, it looks
 up the GEMM's shape (N, K) and the bucket of M (rows) in ``TABLE`` and runs the Triton GEMM of
@@ -26,6 +27,11 @@ config and both times; ``exact``: exact mode's fastest launch per shape and M bu
 the file, or on a GPU other than the one it names, every layer uses cuBLAS and exact mode its
 one default launch. The choice depends on shapes only, so a captured graph replays with any
 values.
+
+A table entry whose cfg is ``["cuda"]`` (``CUDA_CFG``) runs the C++ ``kv_proj`` instead: at
+1-32 rows on sm_90 its skinny kernel (csrc/context.cu: split-K over a thread-block cluster),
+eager calls included (a C++ launch costs little host time), where the sweep measured it faster
+than both cuBLAS and the best Triton launch.
 """
 from __future__ import annotations
 
@@ -52,6 +58,9 @@ EXACT_MAX_SPLIT = 8
 EXACT_MIN_PROGRAMS = 256  # ~2 a SM on the H200's 132
 EXACT_MIN_SLICE_STEPS = 4  # BLOCK_K steps a slice at least
 
+CUDA_CFG = ("cuda",)  # a table entry for the C++ kv_proj (its skinny kernel)
+SKINNY_MAX_ROWS = 32  # the skinny kernel's rows (csrc/context.cu kFusedTokens)
+
 # (N, K) -> {m_bucket: ProjCfg fields (bm, bn, bk, gm, warps, stages, tma, persistent[, split[,
 # serial]])}
 # (split > 1: the split-K kernel: K in slices, the tile's last program sums the fp32 partials);
@@ -73,6 +82,10 @@ def parse_table(doc: dict) -> Table:
     table: Table = {}
     for e in doc.get("entries", []):
         cfg = e.get("cfg")
+        if cfg is not None and list(cfg) == list(CUDA_CFG):  # the C++ skinny kernel's win
+            if e.get("skinny_us") is not None and e["skinny_us"] < e["cublas_us"]:
+                table.setdefault((int(e["n"]), int(e["k"])), {})[int(e["m"])] = CUDA_CFG
+            continue
         if cfg is None or not e["triton_us"] < e["cublas_us"]:
             continue
         if len(cfg) not in (8, 9, 10):
@@ -133,15 +146,21 @@ def table_applies(device: torch.device) -> bool:
 
 def choice(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
            graph: Optional[bool] = None) -> Optional[tuple]:
-    """The Triton launch config for this GEMM, or None for cuBLAS; ``graph``: whether the call
-    is recorded into a CUDA graph (default: ``dispatch.in_graph_call()``). Eager calls run
-    cuBLAS: an eager Triton launch costs more host time than these GEMMs take on the GPU."""
-    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or not triton.AVAILABLE:
-        return None
-    if not (dispatch.in_graph_call() if graph is None else graph):
+    """The Triton launch config for this GEMM, ``CUDA_CFG`` for the C++ skinny kernel, or None
+    for cuBLAS; ``graph``: whether the call is recorded into a CUDA graph (default:
+    ``dispatch.in_graph_call()``). Eager calls run cuBLAS where the table names a Triton
+    launch (an eager Triton launch costs more host time than these GEMMs take on the GPU),
+    the C++ kernel where it names that."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return None
     cfg = TABLE.get((n, k), {}).get(m_bucket(m))
-    return cfg if cfg is not None and table_applies(device) else None
+    if cfg is None or not table_applies(device):
+        return None
+    if cfg == CUDA_CFG:
+        return cfg if m <= SKINNY_MAX_ROWS and dispatch.has_backend("kv_proj", "cuda") else None
+    if not triton.AVAILABLE or not (dispatch.in_graph_call() if graph is None else graph):
+        return None
+    return cfg
 
 
 def exact_runs(dtype: torch.dtype, device: torch.device) -> bool:
@@ -262,6 +281,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None,
             cfg = choice(m, n, k, x.dtype, x.device)
     if cfg is None:
         return F.linear(x2, w, b).view(*lead, n)
+    if cfg == CUDA_CFG:
+        return torch.ops.dflash_cuda.kv_proj(x2, w, b).view(*lead, n)
     from ..triton.context import ProjCfg, kv_proj  # here: triton may be absent off CUDA
 
     return kv_proj(x2, w, b, cfg=ProjCfg(*cfg)).view(*lead, n)

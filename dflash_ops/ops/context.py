@@ -42,7 +42,9 @@ def kv_proj_ref(x, w_kv, bias=None):
 
 # Default cuda (cuBLAS; x [T, 4096], w_kv [10240, 4096] bf16, graph replay): cuBLAS vs the best
 # Triton config 22.5 vs 23.2 us at T = 1, 23.4 vs 26.1 at 64, 33.1 vs 39.9 at 256, 123.0 vs 123.3
-# at 1024, 1913 vs 2099 at 16384; Triton ahead only at T = 4096 (436 vs 454 us).
+# at 1024, 1913 vs 2099 at 16384; Triton ahead only at T = 4096 (436 vs 454 us). Since session
+# 27 the C++ op runs its own skinny kernel at 1-32 rows on sm_90 (csrc/context.cu), not yet
+# timed against cuBLAS (benchmarks/sweep_linear.py measures both).
 dispatch.define_op(
     "kv_proj(Tensor x, Tensor w_kv, Tensor? bias=None) -> Tensor",
     validate=_check_proj, reference=kv_proj_ref,
