@@ -4,6 +4,8 @@ on the Qwen3-8B drafter's shapes (H 4096, 5 layers, Hkv 8, D 128, bf16, block si
 T = 1, 8 and 32 tokens:
 
 * ``gemm``: ``torch.mm(x, w_kv.t())`` alone (cuBLAS), CUDA-graph replay, us a call;
+* ``skinny``: the C++ ``kv_proj`` at these rows (its skinny kernel: the fused kernel's GEMM
+  loop without the epilogue), the same way; ``fused - skinny`` is the fused kernel's tail;
 * ``fused``: the whole ``context_kv_(..., hidden_rms=True)`` on the CUDA op's default path at
   these sizes (one launch: the GEMM and the epilogue in one kernel), the same way;
 * ``split``: the same op with ``DFLASH_OPS_CONTEXT_FUSED=0`` (cuBLAS, then the epilogue kernel:
@@ -53,9 +55,9 @@ def main() -> int:
     pdl = os.environ.get("DFLASH_OPS_PDL", "1") != "0"
     print(f"ctx_probe: {torch.cuda.get_device_name()}, torch {torch.__version__}, PDL "
           f"{'on' if pdl else 'off'}; H {H}, L {LAYERS}, Hkv {HKV}, D {D}, bf16")
-    print("| T | caches | gemm us | fused us | split us | fused - gemm | split - gemm | "
-          "profiler (default path): kernel us a call |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| T | caches | gemm us | skinny us | fused us | split us | fused - gemm | "
+          "split - gemm | profiler (default path): kernel us a call |")
+    print("|---|---|---|---|---|---|---|---|---|")
     total_gb = torch.cuda.get_device_properties(0).total_memory / 2 ** 30
     big_gb = min(BIG_GB, int(total_gb / 3))
     big_nb = big_gb * 2 ** 30 // (2 * LAYERS * BLOCK * HKV * D * 2)
@@ -93,6 +95,15 @@ def main() -> int:
             times[path] = time_fn(op, graph=True, calls=20)["us"]
         os.environ.pop("DFLASH_OPS_CONTEXT_FUSED")
         gemm = time_fn(lambda: torch.mm(x, w_kv.t()), graph=True, calls=20)["us"]
+        sk = torch.ops.dflash_cuda.kv_proj(x, w_kv, None).float()
+        ref = torch.mm(x.float(), w_kv.float().t())
+        err = ((sk - ref).abs().max() / ref.abs().max()).item()
+        if not err <= 2e-2:
+            print(f"ctx_probe: T {t}: kv_proj relative error {err:.2e} against an fp32 GEMM",
+                  file=sys.stderr)
+            return 1
+        skinny = time_fn(lambda: torch.ops.dflash_cuda.kv_proj(x, w_kv, None), graph=True,
+                         calls=20)["us"]
         for _ in range(3):
             op()
         torch.cuda.synchronize()
@@ -110,7 +121,8 @@ def main() -> int:
         ks = ", ".join(f"{name.split('(')[0].split('<')[0][-28:]} {us:.2f}"
                        for name, us in sorted(kernels.items(), key=lambda kv: -kv[1]))
         fu, sp = times["fused"], times["split"]
-        print(f"| {t} | {label} | {gemm:.2f} | {fu:.2f} | {sp:.2f} | {fu - gemm:+.2f} | "
+        print(f"| {t} | {label} | {gemm:.2f} | {skinny:.2f} | {fu:.2f} | {sp:.2f} | "
+              f"{fu - gemm:+.2f} | "
               f"{sp - gemm:+.2f} | {ks} |", flush=True)
         del op, kc, vc, rk, rv
         torch.cuda.empty_cache()
