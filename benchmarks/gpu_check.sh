@@ -2,8 +2,12 @@
 # The one script run on the H200 (device tool): install (builds dflash_ops._C), info, check, the
 # GPU tests, the benchmarks. Logs and result tables go under $OUT (at most 8 files come back:
 # more are packed into $OUT/all.tgz at the end).
-# Usage: bash benchmarks/gpu_check.sh [build|tests|sanitize|ncu|ncu-cases|vllm|vllm-counter|vllm-bench|dflash2|policy|bench|ctx|attn|linear|pdl-probe|ctx-probe|exact-probe|drafter|e2e|models|compare|profile|cmake|all]
+# Usage: bash benchmarks/gpu_check.sh [build|fused|tests|sanitize|ncu|ncu-cases|vllm|vllm-counter|vllm-bench|dflash2|policy|bench|ctx|attn|linear|pdl-probe|ctx-probe|exact-probe|drafter|e2e|models|compare|profile|cmake|all]
 #   all:     tests + bench + ctx; build: install, info and check only
+#   fused:   the cluster kernels of session 27 (context_kv_'s fused path, kv_proj's skinny
+#            kernel): their GPU tests (context kernels: cuda and fused_path; models.linear),
+#            ctx_probe (PDL on), then, where .vllm is carried, vLLM stock vs plugin at 1 and 8 x
+#            1k with the profile (FUSED_VLLM=0 skips it); each step under its own timeout
 #   tests:   pytest -m gpu over SHARDS processes; TEST_FILES="tests/a.py tests/b.py" for a subset
 #   sanitize: the hostile-value GPU tests (tests/test_hostile_inputs.py,
 #            tests/test_out_of_range_inputs.py) and the DFlash 2 kernels' (SAN_FILES to change)
@@ -211,6 +215,22 @@ if [ "$what" = dflash2 ]; then  # DFlash 2's ops against their floors (bench_dfl
     timeout "${DFLASH2_STEP_TIMEOUT:-300}" python3 -m dflash_ops bench dflash2-step \
       ${BENCH_ARGS:-} --out "$OUT/results" > "$OUT/bench_dflash2_step.log" 2>&1
     grep -A12 "^summary" "$OUT/bench_dflash2_step.log"
+  fi
+fi
+if [ "$what" = fused ]; then  # session 27's cluster kernels: tests, probe, vLLM 1k
+  timeout "${FUSED_TEST_TIMEOUT:-150}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
+    tests/test_context_kernels.py tests/test_models_linear.py -k "cuda or fused_path or skinny" \
+    >"$OUT/pytest_fused.log" 2>&1
+  r=$?; [ $r -ne 0 ] && rc=$r
+  echo "fused tests (rc $r): $(tail -1 "$OUT/pytest_fused.log") [$(( $(date +%s) - t0 )) s]"
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest_fused.log" | head -20
+  DFLASH_OPS_PDL=1 timeout 120 python3 benchmarks/ctx_probe.py >"$OUT/ctx_probe.log" 2>&1
+  r=$?; [ $r -ne 0 ] && rc=$r
+  echo "ctx_probe (rc $r) [$(( $(date +%s) - t0 )) s]"; grep -E "^\|" "$OUT/ctx_probe.log"
+  if [ "${FUSED_VLLM:-1}" = 1 ] && [ -f .vllm/install_on_gpu.sh ]; then
+    VLLM_TIMEOUT=${VLLM_TIMEOUT:-120} VLLM_VARIANTS="stock plugin" \
+      BENCH_ARGS="--batch 1,8 --context 1024 --new 32 --profile 8" bash "$0" vllm-bench \
+      2>&1 | tail -25
   fi
 fi
 if [ "$what" = ctx-probe ]; then  # the precompute epilogue: stream cost vs profiler, PDL 1 / 0
