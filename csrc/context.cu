@@ -49,7 +49,10 @@
 
 #include <cstdint>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <optional>
+#include <tuple>
 #include <type_traits>
 
 namespace dflash_ops {
@@ -405,6 +408,19 @@ __device__ __forceinline__ void st_cluster4(uint32_t addr, float4 v) {
                "f"(v.y), "f"(v.z), "f"(v.w)
                : "memory");
 }
+// The float4 at addr (this CTA's shared memory) summed over CTAs 0 .. ranks - 1 of the
+// cluster, in rank order (the same sum on every call: deterministic).
+__device__ __forceinline__ float4 cluster_sum4(uint32_t addr, int ranks) {
+  float4 s = ld_cluster4(cluster_map(addr, 0));
+  for (int q = 1; q < ranks; ++q) {
+    const float4 o = ld_cluster4(cluster_map(addr, static_cast<uint32_t>(q)));
+    s.x += o.x;
+    s.y += o.y;
+    s.z += o.z;
+    s.w += o.w;
+  }
+  return s;
+}
 #endif
 
 // The sum of squares of the four elements in b.
@@ -569,17 +585,7 @@ __global__ void __launch_bounds__(kBlock, NT == 1 ? 3 : 2)
     for (int i = v_lo + static_cast<int>(threadIdx.x); i < v_hi; i += kBlock) {
       const int tok = i / kRowVecs;
       const uint32_t addr = base + 4u * static_cast<uint32_t>(tok * PR + (i - tok * kRowVecs) * 4);
-      const uint32_t home = cluster_map(addr, 0);
-      float4 s = ld_cluster4(home);
-#pragma unroll
-      for (int q = 1; q < kSplits; ++q) {
-        const float4 o = ld_cluster4(cluster_map(addr, q));
-        s.x += o.x;
-        s.y += o.y;
-        s.z += o.z;
-        s.w += o.w;
-      }
-      st_cluster4(home, s);
+      st_cluster4(cluster_map(addr, 0), cluster_sum4(addr, kSplits));
     }
     if (XRMS && rank == 0 && static_cast<int>(threadIdx.x) < g.t) {
       const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(ss_s + threadIdx.x));
@@ -701,20 +707,9 @@ __global__ void __launch_bounds__(kBlock, NT == 1 ? 3 : 2)
   Bits* const out = static_cast<Bits*>(g.out);
   for (int i = v_lo + static_cast<int>(threadIdx.x); i < v_hi; i += kBlock) {
     const int tok = i / kRowVecs, col = (i - tok * kRowVecs) * 4;
-    float4 s;
-    if (g.splits > 1) {
-      const uint32_t addr = base + 4u * static_cast<uint32_t>(tok * PR + col);
-      s = ld_cluster4(cluster_map(addr, 0));
-      for (int q = 1; q < g.splits; ++q) {
-        const float4 o = ld_cluster4(cluster_map(addr, static_cast<uint32_t>(q)));
-        s.x += o.x;
-        s.y += o.y;
-        s.z += o.z;
-        s.w += o.w;
-      }
-    } else {
-      s = *reinterpret_cast<const float4*>(part_s + tok * PR + col);
-    }
+    const float4 s =
+        g.splits > 1 ? cluster_sum4(base + 4u * static_cast<uint32_t>(tok * PR + col), g.splits)
+                     : *reinterpret_cast<const float4*>(part_s + tok * PR + col);
     const float v[4] = {s.x, s.y, s.z, s.w};
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -952,6 +947,20 @@ void run_epilogue(const at::Tensor& kv, const at::Tensor& k_weight, const at::Te
   }
 }
 
+// The split-K GEMM kernels' operands (skinny_kernel, context_fused_kernel's GEMM): x [T, H] @
+// w [N, H]^T (+ bias) with 1 <= T <= kFusedTokens, bf16 / fp16, H a multiple of 64, rows of x
+// and w on 16-byte boundaries with unit column stride, a bias with unit stride; sm_90 code.
+bool split_k_operands(const at::Tensor& x, const at::Tensor& w,
+                      const std::optional<at::Tensor>& bias) {
+  const int64_t t = x.size(0), h = x.size(1);
+  if (t < 1 || t > kFusedTokens || h <= 0 || h % kChunk != 0 || w.size(0) < 1) return false;
+  if (x.scalar_type() != at::kBFloat16 && x.scalar_type() != at::kHalf) return false;
+  if (x.stride(1) != 1 || !aligned16(x.data_ptr()) || (t > 1 && x.stride(0) % 8 != 0)) return false;
+  if (w.stride(1) != 1 || !aligned16(w.data_ptr()) || w.stride(0) % 8 != 0) return false;
+  if (bias.has_value() && bias->stride(0) != 1) return false;
+  return sm90_code();
+}
+
 // The fused path's conditions (the block comment above context_fused_kernel) on the operands;
 // the caches and k_weight are fill_params's vector-path test. DFLASH_OPS_CONTEXT_FUSED=0 turns
 // the path off (read at each call: the benchmarks' A/B of the two paths in one process).
@@ -959,58 +968,70 @@ bool fused_operands(const at::Tensor& x, const at::Tensor& w_kv,
                     const std::optional<at::Tensor>& bias,
                     const std::optional<at::Tensor>& hidden_norm_weight, bool hidden_rms,
                     at::TensorList k_caches) {
-  const int64_t t = x.size(0), h = x.size(1);
-  const bool bf = x.scalar_type() == at::kBFloat16;
-  if (t < 1 || t > kFusedTokens || h <= 0 || h % kChunk != 0) return false;
-  if (!bf && !(x.scalar_type() == at::kHalf && !hidden_rms)) return false;
+  if (!split_k_operands(x, w_kv, bias)) return false;
+  if (hidden_rms && x.scalar_type() != at::kBFloat16) return false;  // fp16: the split path
   if (hidden_norm_weight.has_value() || k_caches.size() > 8) return false;
   if (k_caches[0].size(3) != kFusedD) return false;
-  if (x.stride(1) != 1 || !aligned16(x.data_ptr()) || (t > 1 && x.stride(0) % 8 != 0)) return false;
-  if (w_kv.stride(1) != 1 || !aligned16(w_kv.data_ptr()) || w_kv.stride(0) % 8 != 0) return false;
-  if (bias.has_value() && (bias->stride(0) != 1 || !aligned16(bias->data_ptr()))) return false;
+  if (bias.has_value() && !aligned16(bias->data_ptr())) return false;  // vector loads
   const char* env = std::getenv("DFLASH_OPS_CONTEXT_FUSED");
   if (env != nullptr && env[0] == '0' && env[1] == '\0') return false;
   return sm90_code();
 }
 
-// Launches and returns true, or returns false where this device cannot run one cluster of the
-// kernel at a time (a partitioned GPU: MIG, green contexts), asked once a device.
+// kernel<<<grid, kBlock, 0, stream>>>(args...) in clusters of `cluster` CTAs along x (1: no
+// cluster) and, where pdl_enabled(), as a programmatic dependent. Returns false, launching
+// nothing, where the device cannot hold one such cluster (a partitioned GPU: MIG, green
+// contexts; a failed query counts as that), asked once a (kernel, device, cluster size).
+template <class... KArgs, class... Args>
+bool launch_cluster(void (*kernel)(KArgs...), int cluster, int64_t grid, cudaStream_t stream,
+                    Args&&... args) {
+  cudaLaunchAttribute attr[2];
+  int na = 0;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid));
+  cfg.blockDim = dim3(kBlock);
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  if (cluster > 1) {
+    attr[na].id = cudaLaunchAttributeClusterDimension;
+    attr[na].val.clusterDim.x = static_cast<unsigned>(cluster);
+    attr[na].val.clusterDim.y = 1;
+    attr[na].val.clusterDim.z = 1;
+    cfg.numAttrs = ++na;
+    static std::mutex mu;
+    static std::map<std::tuple<const void*, int, int>, bool> fits;
+    int dev = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&dev));
+    const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), dev, cluster);
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = fits.find(key);
+    if (it == fits.end()) {
+      int clusters = 0;
+      if (cudaOccupancyMaxActiveClusters(&clusters, reinterpret_cast<const void*>(kernel),
+                                         &cfg) != cudaSuccess) {
+        (void)cudaGetLastError();
+        clusters = 0;
+      }
+      it = fits.emplace(key, clusters > 0).first;
+    }
+    if (!it->second) return false;
+  }
+  if (pdl_enabled()) {
+    attr[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[na].val.programmaticStreamSerializationAllowed = 1;
+    cfg.numAttrs = ++na;
+  }
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+  return true;
+}
+
 template <class E, int NT, bool NEOX, bool XRMS>
 bool launch_fused(const ContextParams<8>& p, const FusedGemm& g, int64_t tiles,
                   cudaStream_t stream) {
   TORCH_CHECK(g.t >= 1 && g.t <= 8 * NT, "dflash.context_kv_: internal: ", g.t,
               " tokens for a fused kernel of ", 8 * NT);
-  cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = kSplits;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(tiles * kSplits));
-  cfg.blockDim = dim3(kBlock);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  static std::array<std::atomic<int>, 64> fits{};  // 0 unknown, 1 yes, 2 no
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev < 0 || dev >= 64) return false;
-  if (fits[dev].load() == 0) {
-    int clusters = 0;  // a failed query (cleared) counts as no room
-    if (cudaOccupancyMaxActiveClusters(&clusters, context_fused_kernel<E, NT, NEOX, XRMS>,
-                                       &cfg) != cudaSuccess) {
-      (void)cudaGetLastError();
-      clusters = 0;
-    }
-    fits[dev].store(clusters > 0 ? 1 : 2);
-  }
-  if (fits[dev].load() != 1) return false;
-  cfg.numAttrs = pdl_enabled() ? 2 : 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, context_fused_kernel<E, NT, NEOX, XRMS>, p, g));
-  return true;
+  return launch_cluster(context_fused_kernel<E, NT, NEOX, XRMS>, kSplits, tiles * kSplits,
+                        stream, p, g);
 }
 
 template <class E, bool NEOX, bool XRMS>
@@ -1059,19 +1080,6 @@ bool run_fused(const at::Tensor& x, const at::Tensor& w_kv, const std::optional<
                  : launch_fused_t<F16, false, false>(p, g, tiles, stream);
 }
 
-// kv_proj's skinny path (skinny_kernel): whether it takes x [T, H] @ w [N, H]^T (+ bias).
-bool skinny_operands(const at::Tensor& x, const at::Tensor& w,
-                     const std::optional<at::Tensor>& bias) {
-  const int64_t t = x.size(0), h = x.size(1), n = w.size(0);
-  if (t < 1 || t > kFusedTokens || h <= 0 || h % kChunk != 0 || n < 1) return false;
-  if (n >= std::numeric_limits<int32_t>::max() / 2) return false;
-  if (x.scalar_type() != at::kBFloat16 && x.scalar_type() != at::kHalf) return false;
-  if (x.stride(1) != 1 || !aligned16(x.data_ptr()) || (t > 1 && x.stride(0) % 8 != 0)) return false;
-  if (w.stride(1) != 1 || !aligned16(w.data_ptr()) || w.stride(0) % 8 != 0) return false;
-  if (bias.has_value() && bias->stride(0) != 1) return false;
-  return sm90_code();
-}
-
 // The skinny kernel's launch for N rows, H / 64 = steps: m tiles a warp (MT: 2 = 256 rows a CTA,
 // 1 = 128) and CTAs a cluster (splits, at most 8: a portable cluster), from the shape alone.
 // Splits double while the grid is under two CTAs an SM and each CTA keeps >= 4 steps;
@@ -1095,45 +1103,7 @@ SkinnyPlan skinny_plan(int64_t n, int64_t steps, int sms) {
 
 template <class E, int MT, int NT>
 bool launch_skinny(const SkinnyGemm& g, int64_t tiles, cudaStream_t stream) {
-  cudaLaunchAttribute attr[2];
-  int na = 0;
-  if (g.splits > 1) {
-    attr[na].id = cudaLaunchAttributeClusterDimension;
-    attr[na].val.clusterDim.x = static_cast<unsigned>(g.splits);
-    attr[na].val.clusterDim.y = 1;
-    attr[na].val.clusterDim.z = 1;
-    ++na;
-  }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(tiles * g.splits));
-  cfg.blockDim = dim3(kBlock);
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = na;
-  if (g.splits > 1) {  // a device that cannot hold the cluster (MIG, green contexts): cuBLAS
-    static std::array<std::array<std::atomic<int>, kSplits + 1>, 64> fits{};
-    int dev = 0;
-    C10_CUDA_CHECK(cudaGetDevice(&dev));
-    if (dev < 0 || dev >= 64) return false;
-    std::atomic<int>& f = fits[dev][g.splits];
-    if (f.load() == 0) {
-      int clusters = 0;  // a failed query (cleared) counts as no room
-      if (cudaOccupancyMaxActiveClusters(&clusters, skinny_kernel<E, MT, NT>, &cfg) !=
-          cudaSuccess) {
-        (void)cudaGetLastError();
-        clusters = 0;
-      }
-      f.store(clusters > 0 ? 1 : 2);
-    }
-    if (f.load() != 1) return false;
-  }
-  if (pdl_enabled()) {
-    attr[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[na].val.programmaticStreamSerializationAllowed = 1;
-    cfg.numAttrs = ++na;
-  }
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, skinny_kernel<E, MT, NT>, g));
-  return true;
+  return launch_cluster(skinny_kernel<E, MT, NT>, g.splits, tiles * g.splits, stream, g);
 }
 
 template <class E, int MT>
@@ -1178,7 +1148,7 @@ at::Tensor kv_proj(const at::Tensor& x, const at::Tensor& w_kv,
                    const std::optional<at::Tensor>& bias) {
   check_proj("kv_proj", x, w_kv, bias);
   const c10::cuda::CUDAGuard guard(x.device());
-  if (skinny_operands(x, w_kv, bias)) {  // 1-32 rows on sm_90: skinny_kernel
+  if (split_k_operands(x, w_kv, bias)) {  // 1-32 rows on sm_90: skinny_kernel
     at::Tensor out = at::empty({x.size(0), w_kv.size(0)}, x.options());
     if (run_skinny(x, w_kv, bias, out)) return out;
   }
