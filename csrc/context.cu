@@ -978,8 +978,8 @@ bool fused_operands(const at::Tensor& x, const at::Tensor& w_kv,
   return sm90_code();
 }
 
-// kernel<<<grid, kBlock, 0, stream>>>(args...) in clusters of `cluster` CTAs along x (1: no
-// cluster) and, where pdl_enabled(), as a programmatic dependent. Returns false, launching
+// Launches kernel(args...) on `grid` CTAs of kBlock threads on `stream`, in clusters of
+// `cluster` CTAs along x (1: no cluster) and, where pdl_enabled(), as a programmatic dependent. Returns false, launching
 // nothing, where the device cannot hold one such cluster (a partitioned GPU: MIG, green
 // contexts; a failed query counts as that), asked once a (kernel, device, cluster size).
 template <class... KArgs, class... Args>
