@@ -69,6 +69,22 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels (liger-kernel for the b
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
+# A library built on the CPU machine (benchmarks/prebuild.sh, carried as .prebuilt) is taken
+# where its stamp names these sources and this torch; if it then fails to import, the build runs.
+if ! python3 -c "import dflash_ops._C" 2>/dev/null && [ -f .prebuilt/stamp ]; then
+  want="sources $(bash benchmarks/prebuild_hash.sh)
+torch $(python3 -c 'import torch; print(torch.__version__)')"
+  if [ "$want" = "$(cat .prebuilt/stamp)" ]; then
+    cp .prebuilt/_C.*.so dflash_ops/ \
+      && DFLASH_OPS_NO_CUDA=1 python3 -m pip install -e . --no-build-isolation --no-deps \
+        >"$OUT/install.log" 2>&1
+    if python3 -c "import dflash_ops._C" 2>>"$OUT/install.log"; then echo "install: prebuilt _C"
+    else echo "install: the prebuilt _C did not load (install.log); building"; rm -f dflash_ops/_C.*.so; fi
+  else
+    echo "install: .prebuilt/stamp is for other sources or torch; building"
+    printf 'want:\n%s\nstamp:\n%s\n' "$want" "$(cat .prebuilt/stamp)"
+  fi
+fi
 if ! python3 -c "import dflash_ops._C" 2>/dev/null; then
   python3 -m pip install -e . --no-build-isolation --no-deps >"$OUT/install.log" 2>&1 \
     || { tail -40 "$OUT/install.log"; exit 1; }
