@@ -26,6 +26,15 @@ Cases (H200 shapes; bf16):
                   w_kv[10240, 4096], 5 layers x 8 KV heads x D 128, paged caches): the vLLM
                   plugin's precompute at batch 8 (cuBLAS GEMM + the fused epilogue, ~4.5 us a
                   call in session 22's vLLM profile)
+  ctxrms_t1       the same at 1 token (the plugin's decode call at batch 1); at 1-32 tokens
+                  on sm_90 both take the fused kernel (context_fused_kernel: GEMM + epilogue in
+                  one launch, session 27), so these profile it
+  ctxrms_t32      the same at 32 tokens (the fused kernel's 4-column tiles, 2 CTAs an SM)
+  skinny_o        the skinny CUDA GEMM (kv_proj's C++ path at 1-32 rows, session 27):
+                  x[1, 4096] w[4096, 4096], the target's o_proj at batch 1 (vs o_cublas)
+  skinny_qkv      the same, x[1, 4096] w[6144, 4096] (qkv at batch 1)
+  skinny_proj2    the same, x[8, 5120] w[1280, 5120] (vs proj_linear: 80 CTAs, the plan's
+                  loser)
   topk_b1         row_topk, CUDA, z[7, 248320] k 16 (DFlash 2's selector input at batch 1)
   select_b1       select_candidates, CUDA, R 1, J 7, k 16, rank 256
 """
@@ -95,6 +104,11 @@ def _ctxrms(t):
     return lambda: context_kv_(x, w, None, kw, pos, cs, slots, kc, vc, 1e-6, True, None, True)
 
 
+def _skinny(m, n, h):
+    x, w = _rand(m, h), _rand(n, h) * h ** -0.5
+    return lambda: torch.ops.dflash_cuda.kv_proj(x, w, None)
+
+
 def _topk():
     from dflash_ops.ops.select import row_topk
     z = _rand(7, 248320)
@@ -122,7 +136,12 @@ CASES = {
     "conv_t4096": ("grouped_dyn_conv", lambda: _conv(4096)),
     "convnorm_t8": ("conv_add_rms_norm_", lambda: _convnorm(8)),
     "convnorm_t4096": ("conv_add_rms_norm_", lambda: _convnorm(4096)),
+    "ctxrms_t1": ("context_kv_", lambda: _ctxrms(1)),
     "ctxrms_t8": ("context_kv_", lambda: _ctxrms(8)),
+    "ctxrms_t32": ("context_kv_", lambda: _ctxrms(32)),
+    "skinny_o": (None, lambda: _skinny(1, 4096, 4096)),
+    "skinny_qkv": (None, lambda: _skinny(1, 6144, 4096)),
+    "skinny_proj2": (None, lambda: _skinny(8, 1280, H2)),
     "topk_b1": ("row_topk", _topk),
     "select_b1": ("select_candidates", _select),
 }

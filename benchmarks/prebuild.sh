@@ -8,7 +8,10 @@
 # (COMMON_NVCC_FLAGS, -DTORCH_API_INCLUDE_EXTENSION_H, the cxx11 ABI, setup.py's own flags).
 # Output: .prebuilt/_C.cpython-312-x86_64-linux-gnu.so and .prebuilt/stamp (the sources' hash, the
 # torch version): gpu_check.sh takes the library only where both match the device copy.
-# Usage: bash benchmarks/prebuild.sh     (JOBS=2 parallel compiles; ~15-25 min on 2 cores)
+# Usage: bash benchmarks/prebuild.sh     (JOBS parallel compiles; 95 s on 2 cores)
+# PREBUILD_CHECK=1 also loads the library into that torch on this machine (a Python 3.12 venv in
+# PREBUILD_CACHE with the wheel and its CUDA packages, ~3 GB once; no GPU needed) and checks that
+# every op of torch.ops.dflash has its CUDA kernel registered.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH_VERSION=2.11.0
@@ -66,5 +69,33 @@ out=.prebuilt/_C.cpython-312-x86_64-linux-gnu.so
 g++ -shared "$obj"/*.o -L"$T/lib" -lc10 -ltorch -ltorch_cpu -ltorch_python -lc10_cuda \
   -ltorch_cuda -L"$cuda_lib" -lcudart -Wl,--exclude-libs,ALL -o "$out"
 { echo "sources $(bash benchmarks/prebuild_hash.sh)"; echo "torch $tv"; } >.prebuilt/stamp
+if [ "${PREBUILD_CHECK:-0}" = 1 ]; then
+  venv="$CACHE/venv"
+  if [ ! -x "$venv/bin/python" ]; then
+    $py -m venv "$venv"
+    req=$(unzip -p "$(ls "$CACHE"/torch-$TORCH_VERSION-cp312-*.whl | head -1)" \
+      "torch-$TORCH_VERSION.dist-info/METADATA" | sed -n 's/^Requires-Dist: \([^;]*\); platform_system == "Linux"$/\1/p')
+    # shellcheck disable=SC2086
+    "$venv/bin/pip" install -q "$(ls "$CACHE"/torch-$TORCH_VERSION-cp312-*.whl | head -1)" \
+      numpy safetensors $(echo "$req" | tr '\n' ' ')
+  fi
+  tree=$(mktemp -d)
+  cp -r dflash_ops pyproject.toml "$tree"/ && cp "$out" "$tree/dflash_ops/"
+  grep -rho 'm.impl("[a-z_0-9]*"' csrc | sed 's/m.impl("//; s/"//' | sort -u >"$tree/impls"
+  (cd "$tree" && "$venv/bin/python" - <<'PY')
+import torch
+import dflash_ops  # noqa: F401  (defines the schemas)
+from dflash_ops import _ext
+st = _ext.load()
+assert st["how"] == "built", st
+ops = open("impls").read().split()  # the ops csrc/ registers (m.impl)
+missing = [o for o in ops for ns in ("dflash", "dflash_cuda")
+           if not torch._C._dispatch_has_kernel_for_dispatch_key(f"{ns}::{o}", "CUDA")]
+assert ops and not missing, f"no CUDA kernel for {missing}"
+print(f"prebuild check: torch {torch.__version__} loads it; the {len(ops)} ops csrc/ "
+      "registers have their CUDA kernels")
+PY
+  rm -rf "$tree"
+fi
 echo "prebuild: $out ($(du -h "$out" | cut -f1), $(( $(date +%s) - t0 )) s); stamp:"
 cat .prebuilt/stamp
