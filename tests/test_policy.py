@@ -542,3 +542,89 @@ def test_drafting_iteration_as_one_step(steps, device, monkeypatch):
     else:  # cuBLAS may round the context projection by its row count (24 vs bucket x 8 rows)
         # and flip a near-tie draft: the tokens are equal, the acceptance close
         assert abs(sum(st2.acceptance) - sum(st.acceptance)) <= 0.05 * sum(st.acceptance)
+
+
+def _policy_json(path, cases, ratio, date="2026-12-05", commit="abc"):
+    """A policy suite's JSON as run() writes it, with the policy at ``ratio`` of always."""
+    from dflash_ops.bench import policy as bp
+    rows = []
+    for case in cases:
+        for p in bp.P_GRID:
+            rates = {"plain decode": 100.0, "never": 95.0, "always": 100.0 + 100 * p}
+            rates["policy"] = ratio(case, p) * max(rates["always"], rates["never"])
+            for name in bp.STRATEGIES:
+                rows.append({"table": bp.TABLE, "case": case, "p": p, "strategy": name,
+                             "tokens_per_s": rates[name], "x": p, "note": ""})
+            best = max(rates["always"], rates["never"])
+            rows.append({"table": bp.SUMMARY, "case": case, "p": p,
+                         "policy": rates["policy"], "always": rates["always"],
+                         "never": rates["never"], "plain": rates["plain decode"],
+                         bp.RATIO: rates["policy"] / best,
+                         "ok (>= 0.97)": rates["policy"] >= 0.97 * best,
+                         "policy / max(always, plain)": rates["policy"] / best})
+    path.write_text(json.dumps({"name": "policy-x", "date": date, "gpu": "NVIDIA H200",
+                                "commit": commit, "floors": {"copy_GBps": 4200.0},
+                                "notes": ["shared note", "verdict: stale"], "rows": rows}))
+    return path
+
+
+def test_bench_policy_merge_joins_runs_and_judges_the_grid(tmp_path):
+    """merge(): runs of some cases each (one device call each) become one table, summary and
+    figure; a later file's point replaces an earlier one's; the verdict finds the worst point,
+    the wins and the grid points not measured."""
+    from dflash_ops.bench import policy as bp
+    a = _policy_json(tmp_path / "a.json", ["B=1 S=1024", "B=8 S=1024"],
+                     lambda c, p: 0.95 if (c, p) == ("B=8 S=1024", 0.4) else 1.0)
+    b = _policy_json(tmp_path / "b.json", ["B=8 S=1024", "B=1 S=8192"],
+                     lambda c, p: 1.05 if (c, p) == ("B=1 S=8192", 0.6) else 0.99,
+                     commit="def")
+    out = tmp_path / "out"
+    res = bp.merge([str(a), str(b)], out, make_plot=False)
+    summary = res.tables()[bp.SUMMARY]
+    assert len(summary) == 3 * len(bp.P_GRID)  # B=8 S=1024 once: b's rows replace a's
+    assert all(r[bp.RATIO] == pytest.approx(0.99) for r in summary if r["case"] == "B=8 S=1024")
+    v = [n for n in res.notes if n.startswith("verdict:")]
+    assert "at 18 of 18 points" in v[0] and "faster than both at 1 " in v[0]
+    assert "best 1.050 at B=1 S=8192 p=0.6" in v[0]
+    assert f"{(len(bp.CASES) - 3) * len(bp.P_GRID)} of {len(bp.CASES) * len(bp.P_GRID)} grid " \
+           "points not measured" in v[1] and v[1].endswith(", B=32 S=32768")
+    assert "verdict: stale" not in res.notes and res.notes.count("shared note") == 1
+    assert any("from b.json" in n and "commit def" in n for n in res.notes)
+    md = (out / "policy.md").read_text()
+    assert "NVIDIA H200" in md and "commit abc" in md and "verdict:" in md
+    assert json.loads((out / "policy.json").read_text())["name"] == "policy"
+    # the worst point, when it is below the bar
+    c = _policy_json(tmp_path / "c.json", ["B=32 S=8192"],
+                     lambda c, p: 0.9 if p == 0.2 else 1.0)
+    res = bp.merge([str(a), str(c)], out, make_plot=False)
+    assert "worst 0.900 at B=32 S=8192 p=0.2" in res.notes[-2]
+    assert "at 16 of 18 points" in res.notes[-2]
+
+
+def test_bench_policy_merge_refuses_other_files(tmp_path):
+    from dflash_ops.bench import policy as bp
+    other = tmp_path / "e2e.json"
+    other.write_text(json.dumps({"name": "e2e", "rows": []}))
+    with pytest.raises(ValueError, match="e2e.json is not a policy suite's JSON"):
+        bp.merge([str(other)])
+    with pytest.raises(ValueError, match="cannot read"):
+        bp.merge([str(tmp_path / "missing.json")])
+    assert bp.main(["merge", str(other)]) == 2
+
+
+def test_bench_policy_merge_plots_a_panel_grid(tmp_path):
+    pytest.importorskip("matplotlib")
+    from dflash_ops.bench import policy as bp
+    a = _policy_json(tmp_path / "a.json", [f"B={b} S=1024" for b in (1, 8, 32, 64)],
+                     lambda c, p: 1.0)
+    assert bp.main(["merge", str(a), "--out", str(tmp_path / "o")]) == 0
+    assert (tmp_path / "o" / "policy.png").stat().st_size > 10_000
+
+
+def test_bench_policy_verdict_names_the_missing_p_of_a_case():
+    from dflash_ops.bench import policy as bp
+    rows = [{"table": bp.SUMMARY, "case": "B=1 S=1024", "p": p, bp.RATIO: 1.0}
+            for p in bp.P_GRID[:-1]]
+    v = bp.verdict(rows, [(1, 1024), (8, 1024)])
+    assert v[1] == (f"verdict: {len(bp.P_GRID) + 1} of {2 * len(bp.P_GRID)} grid points not "
+                    f"measured: B=1 S=1024 p={bp.P_GRID[-1]}, B=8 S=1024")

@@ -30,7 +30,10 @@ the costs) and gets one warm-up run on it before the timed ones.
 Cases: B 1 / 8 / 32 x S 1k / 8k / 32k (``--quick``: 1 x 1k, 8 x 1k, 1 x 8k), or
 ``DFLASH_OPS_BENCH_POLICY_CASES`` (``BxS`` comma-separated, ``k`` = 1024); a case that does not
 fit in memory is skipped with a line saying so. ``DFLASH_OPS_BENCH_POLICY_TRACE=PATH`` appends
-every choice of the timed policy runs to PATH (JSON lines: ``_traced``).
+every choice of the timed policy runs to PATH (JSON lines: ``_traced``). A run of chosen cases
+writes ``policy-<cases>.{md,json,png}``; the whole grid does not fit one device call, so
+``python -m dflash_ops.bench.policy merge policy-*.json`` joins runs into ``policy.*`` with the
+verdict below and the grid points still missing (on any machine).
 
 Target (issue 18): the policy never more than 3% slower than the better of ``always`` and
 ``never`` (the issue's "always draft" and "never draft") at any grid point, and faster than both
@@ -46,6 +49,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
@@ -257,8 +261,81 @@ def run_case(res: Results, target, drafter, batch: int, context: int, ps=P_GRID,
              + f" tok/s; policy {notes['policy']}")
 
 
+RATIO = "policy / max(always, never)"
+
+
+def verdict(rows: Sequence[dict], grid=None) -> list:
+    """Lines judging the summary rows against issue 18's bar (>= 0.97 of the better of always
+    and never at every point, faster than both somewhere), and the grid points (``grid``:
+    (B, S) cases x P_GRID) not among them."""
+    pts = [r for r in rows if r.get("table") == SUMMARY and r.get(RATIO) is not None]
+    if not pts:
+        return []
+    where = lambda r: f"{r['case']} p={r['p']}"  # noqa: E731
+    worst = min(pts, key=lambda r: r[RATIO])
+    best = max(pts, key=lambda r: r[RATIO])
+    ok = sum(r[RATIO] >= 0.97 for r in pts)
+    wins = [r for r in pts if r[RATIO] > 1.0]
+    out = [f"verdict: the policy is >= 0.97 x the better of always and never at {ok} of "
+           f"{len(pts)} points (worst {worst[RATIO]:.3f} at {where(worst)}); faster than both "
+           f"at {len(wins)} (best {best[RATIO]:.3f} at {where(best)})"]
+    if grid is not None:
+        have = {(r["case"], r["p"]) for r in pts}
+        gaps, n = [], 0
+        for b, s in grid:
+            ps = [p for p in P_GRID if (f"B={b} S={s}", p) not in have]
+            n += len(ps)
+            if ps:
+                gaps.append(f"B={b} S={s}" + ("" if len(ps) == len(P_GRID) else
+                                              " p=" + "/".join(map(str, ps))))
+        if gaps:
+            out.append(f"verdict: {n} of {len(grid) * len(P_GRID)} grid points not measured: "
+                       + ", ".join(gaps))
+    return out
+
+
+def merge(paths: Sequence[str], out_dir=None, make_plot: bool = True) -> Results:
+    """``python -m dflash_ops.bench.policy merge A.json B.json ...``: the grid measured over
+    several device calls (one process a call: DFLASH_OPS_BENCH_POLICY_CASES) as one table,
+    summary, verdict and figure, written as ``policy.{md,json,png}`` (a later file's row of a
+    point replaces an earlier one's). Each source's date, GPU, commit and floors go into the
+    notes; the header is the first file's. Runs on the CPU."""
+    docs = []
+    for path in paths:
+        try:
+            doc = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"policy merge: cannot read {path}: {e}") from None
+        if not str(doc.get("name", "")).startswith("policy") or "rows" not in doc:
+            raise ValueError(f"policy merge: {path} is not a policy suite's JSON "
+                             f"(name {doc.get('name')!r})")
+        docs.append((path, doc))
+    if not docs:
+        raise ValueError("policy merge: no files given")
+    head = docs[0][1]
+    meta = {k: v for k, v in head.items() if k not in ("name", "floors", "notes", "rows")}
+    res = Results("policy", floors=head.get("floors"), meta=meta, xlabel="p (draft right)")
+    rows: dict = {}
+    for path, doc in docs:
+        for r in doc["rows"]:
+            rows[(r.get("table"), r.get("case"), r.get("p"), r.get("strategy"))] = r
+        fl = doc.get("floors") or {}
+        cases = list(dict.fromkeys(r.get("case") for r in doc["rows"]))
+        res.notes.append(f"from {Path(path).name}: {doc.get('date')} {doc.get('gpu')} commit "
+                         f"{doc.get('commit')}, copy {fl.get('copy_GBps')} GB/s; cases "
+                         + ", ".join(map(str, cases)))
+    order = {t: i for i, t in enumerate((TABLE, SUMMARY))}
+    res.rows = sorted(rows.values(), key=lambda r: order.get(r.get("table"), 2))
+    notes = [n for _, d in docs for n in d.get("notes", []) if not n.startswith("verdict:")]
+    res.notes += list(dict.fromkeys(notes))
+    res.notes += verdict(res.rows, CASES)
+    res.plot = lambda path: plot(res, path)
+    res.write(out_dir, plot=make_plot)
+    return res
+
+
 def plot(res: Results, path) -> Optional[str]:
-    """Tokens a second vs p, one panel a case, one line a strategy."""
+    """Tokens a second vs p, one panel a case (three a row), one line a strategy."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -269,8 +346,12 @@ def plot(res: Results, path) -> Optional[str]:
     cases = list(dict.fromkeys(r["case"] for r in rows))
     if not cases:
         return None
-    fig, axes = plt.subplots(1, len(cases), figsize=(4.5 * len(cases), 4), squeeze=False)
-    for ax, case in zip(axes[0], cases):
+    ncol = min(3, len(cases))
+    nrow = -(-len(cases) // ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(4.5 * ncol, 4 * nrow), squeeze=False)
+    for ax in axes.flat[len(cases):]:
+        ax.set_visible(False)
+    for ax, case in zip(axes.flat, cases):
         for name in STRATEGIES:
             pts = sorted((r["p"], r["tokens_per_s"]) for r in rows
                          if r["case"] == case and r["strategy"] == name)
@@ -293,13 +374,18 @@ def run(quick: bool = False, cases=None) -> Results:
         cases = parse_cases(env, ENV_CASES)  # a bad value fails before the GPU check
     if not torch.cuda.is_available():
         raise RuntimeError("policy suite: needs a CUDA GPU; nothing was run.")
-    res = Results("policy" + ("-quick" if quick else ""), floors=measure_floors(),
-                  xlabel="p (draft right)")
+    grid = cases or (QUICK_CASES if quick else CASES)
+    # a run of some cases names them (policy-1x1k-8x8k), so it never overwrites the full grid's
+    # files; merge() joins such runs
+    name = ("policy-quick" if quick and not cases else "policy" if not cases else
+            "policy-" + "-".join(f"{b}x{s // 1024}k" if s % 1024 == 0 else f"{b}x{s}"
+                                 for b, s in grid))
+    res = Results(name, floors=measure_floors(), xlabel="p (draft right)")
     dcfg = qwen3_8b_dflash_config()
     target, drafter = build_models(
         qwen3_8b_target_config(), dcfg,
         edit_target=lambda st: counter_target(st, successor_of=dcfg.mask_token_id))
-    for b, s in cases or (QUICK_CASES if quick else CASES):
+    for b, s in grid:
         max_len = round_up(s + NEW_TOKENS + 2 * 16 + 2, KV_BLOCK)
         blocks = (b + 1) * max_len // KV_BLOCK
         need = sum(2 * c.num_layers * blocks * KV_BLOCK * c.num_kv_heads * c.head_dim * 2
@@ -328,5 +414,29 @@ def run(quick: bool = False, cases=None) -> Results:
         f"{NEW_TOKENS} new tokens a request, random prompts, Qwen3-8B target and "
         "Qwen3-8B-DFlash-b16 drafter shapes, random bf16 weights, block 16",
     ]
+    res.notes += verdict(res.rows)
     res.plot = lambda path: plot(res, path)  # the suite's own figure
     return res
+
+
+def main(argv=None) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m dflash_ops.bench.policy",
+                                 description="Join policy suite runs (JSON) into one table, "
+                                             "verdict and figure (policy.{md,json,png}).")
+    ap.add_argument("command", choices=["merge"])
+    ap.add_argument("files", nargs="+", help="policy*.json files of `dflash-ops bench policy`")
+    ap.add_argument("--out", default=None, help="directory (default ./benchmarks/results)")
+    ap.add_argument("--no-plot", action="store_true")
+    a = ap.parse_args(argv)
+    try:
+        res = merge(a.files, a.out, make_plot=not a.no_plot)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    print(res.format())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
