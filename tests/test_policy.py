@@ -339,8 +339,14 @@ def test_bench_policy_cases_from_the_environment(monkeypatch):
     monkeypatch.setenv(bp.ENV_CASES, "2x1q")
     with pytest.raises(ValueError, match="DFLASH_OPS_BENCH_POLICY_CASES: '2x1q' is not BxS"):
         bp.run()
+    monkeypatch.setenv(bp.ENV_CASES, "2x1k")
+    monkeypatch.setenv(bp.ENV_PS, "0.2,0.3")
+    with pytest.raises(ValueError, match=r"DFLASH_OPS_BENCH_POLICY_PS: '0.2,0.3' is not a "
+                                         r"comma-separated subset of \(0.0, 0.2"):
+        bp.run()
+    assert bp.parse_ps("0.95, 0,0.2") == (0.0, 0.2, 0.95)
+    monkeypatch.setenv(bp.ENV_PS, "0.95,0")
     if not torch.cuda.is_available():
-        monkeypatch.setenv(bp.ENV_CASES, "2x1k")
         with pytest.raises(RuntimeError, match="needs a CUDA GPU; nothing was run"):
             bp.run()
 

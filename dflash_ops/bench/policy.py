@@ -30,8 +30,10 @@ the costs) and gets one warm-up run on it before the timed ones.
 Cases: B 1 / 8 / 32 x S 1k / 8k / 32k (``--quick``: 1 x 1k, 8 x 1k, 1 x 8k), or
 ``DFLASH_OPS_BENCH_POLICY_CASES`` (``BxS`` comma-separated, ``k`` = 1024); a case that does not
 fit in memory is skipped with a line saying so. ``DFLASH_OPS_BENCH_POLICY_TRACE=PATH`` appends
-every choice of the timed policy runs to PATH (JSON lines: ``_traced``). A run of chosen cases
-writes ``policy-<cases>.{md,json,png}``; the whole grid does not fit one device call, so
+every choice of the timed policy runs to PATH (JSON lines: ``_traced``);
+``DFLASH_OPS_BENCH_POLICY_PS`` (e.g. ``0,0.2``) runs only those p. A run of chosen cases or p
+writes ``policy-<cases>[-p<ps>].{md,json,png}``. The whole grid does not fit one device call
+(a run of 32 x 8k prefills 262k tokens: ~10 s a run, ~68 runs a case), so
 ``python -m dflash_ops.bench.policy merge policy-*.json`` joins runs into ``policy.*`` with the
 verdict below and the grid points still missing (on any machine).
 
@@ -364,6 +366,18 @@ def plot(res: Results, path) -> Optional[str]:
 
 HEADROOM = 16 << 30  # bytes beside the caches: graphs' activations, logits, the prefill
 ENV_CASES = "DFLASH_OPS_BENCH_POLICY_CASES"  # e.g. "32x1k,8x32k": replaces the cases
+ENV_PS = "DFLASH_OPS_BENCH_POLICY_PS"  # e.g. "0,0.2": a part of P_GRID (a case's part a call)
+
+
+def parse_ps(text: str) -> tuple:
+    """``ENV_PS``'s value: comma-separated members of P_GRID, returned in P_GRID's order."""
+    try:
+        want = {float(x) for x in text.split(",") if x.strip()}
+    except ValueError:
+        want = None
+    if not want or not want <= set(P_GRID):
+        raise ValueError(f"{ENV_PS}: {text!r} is not a comma-separated subset of {P_GRID}")
+    return tuple(p for p in P_GRID if p in want)
 
 
 def run(quick: bool = False, cases=None) -> Results:
@@ -372,6 +386,8 @@ def run(quick: bool = False, cases=None) -> Results:
     env = os.environ.get(ENV_CASES, "").strip()
     if env and cases is None:
         cases = parse_cases(env, ENV_CASES)  # a bad value fails before the GPU check
+    env_ps = os.environ.get(ENV_PS, "").strip()
+    ps = parse_ps(env_ps) if env_ps else P_GRID
     if not torch.cuda.is_available():
         raise RuntimeError("policy suite: needs a CUDA GPU; nothing was run.")
     grid = cases or (QUICK_CASES if quick else CASES)
@@ -380,6 +396,8 @@ def run(quick: bool = False, cases=None) -> Results:
     name = ("policy-quick" if quick and not cases else "policy" if not cases else
             "policy-" + "-".join(f"{b}x{s // 1024}k" if s % 1024 == 0 else f"{b}x{s}"
                                  for b, s in grid))
+    if ps != P_GRID:
+        name += "-p" + "-".join(f"{p:g}" for p in ps)
     res = Results(name, floors=measure_floors(), xlabel="p (draft right)")
     dcfg = qwen3_8b_dflash_config()
     target, drafter = build_models(
@@ -400,7 +418,7 @@ def run(quick: bool = False, cases=None) -> Results:
             continue
         try:
             install_caches(target, drafter, b + 1, blocks, max_len, fill=False)
-            run_case(res, target, drafter, b, s)
+            run_case(res, target, drafter, b, s, ps=ps)
         except torch.cuda.OutOfMemoryError as e:
             _say(f"B={b} S={s}: out of memory, skipped ({str(e).splitlines()[0][:120]})")
         finally:
