@@ -13,6 +13,8 @@ so each call streams its weight from HBM as in a model; a wrong or failing confi
 never chosen), exact mode's launch (``models.linear.exact_config``) with and without its
 split, and the fastest launch of exact mode's family (``exact_compatible``: same split, wgmma
 tiles), each checked bit for bit against exact mode's default launch before it is timed.
+At M <= 32 the skinny kernel also runs under each plan of ``skinny_plans`` (forced with
+DFLASH_OPS_SKINNY_PLAN; --no-plans skips them), each checked before it is timed.
 Prints the best few per (shape, M) with their ratio to cuBLAS and to the floor (max of bytes /
 copy bandwidth and FLOPs / GEMM rate, measured in the same run); writes every measurement to
 ``--out`` (JSON) and, with ``--write-table``, the winners to
@@ -29,6 +31,7 @@ import argparse
 import importlib.util
 import itertools
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -39,6 +42,22 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
 MS = (1, 8, 16, 32, 64, 128, 256, 512, 1024)
 ROTATE_BYTES = 256 << 20  # weight copies a shape rotates over (the H200's L2: 50 MB)
 QUICK_MS = (1, 16, 64, 256)
+
+
+PLAN_ENV = "DFLASH_OPS_SKINNY_PLAN"
+
+
+def skinny_plans(n, k, sms):
+    """The skinny kernel's plans (MT,KG,SPLITS,U) worth timing for N x K on ``sms`` SMs: every
+    plan whose grid is between half an SM each and eight CTAs an SM."""
+    out = []
+    for mt, kg in ((2, 1), (1, 1), (1, 4)):
+        tiles = -(-n // (128 * mt // kg))
+        for splits in (1, 2, 4, 8):
+            if splits > k // 64 or not sms // 2 <= tiles * splits <= 8 * sms:
+                continue
+            out += [f"{mt},{kg},{splits},{u}" for u in (1, 2)]
+    return out
 
 
 def pow2(n):
@@ -92,6 +111,8 @@ def main():
     ap.add_argument("--ms", default=None, help="comma-separated M values")
     ap.add_argument("--out", default="benchmarks/results/sweep_linear.json")
     ap.add_argument("--write-table", action="store_true")
+    ap.add_argument("--no-plans", dest="plans", action="store_false",
+                    help="time only the skinny kernel's default plan, not the others")
     a = ap.parse_args()
     shapes = [s.strip() for s in a.shapes.split(",") if s.strip()]
     bad = [s for s in shapes if s not in SHAPES]
@@ -112,6 +133,7 @@ def main():
     from dflash_ops.triton import context as tc
 
     has_cuda = dispatch.has_backend("kv_proj", "cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
 
     bf16 = torch.bfloat16
     floors = measure_floors()
@@ -219,6 +241,28 @@ def main():
                         skinny["skinny_error"] = f"WRONG (rel err {err:.2e})"
                 except Exception as e:  # noqa: BLE001
                     skinny["skinny_error"] = f"failed: {type(e).__name__}: {str(e)[:80]}"
+            # the skinny kernel's other plans (DFLASH_OPS_SKINNY_PLAN, read at each call: the
+            # capture bakes it in), each checked before it is timed; where one beats the
+            # shape's default plan, skinny_plan (csrc/context.cu) is the place to say so
+            if "skinny_us" in skinny and a.plans:
+                plan_us = {}
+                for plan in skinny_plans(n, k, sms):
+                    os.environ[PLAN_ENV] = plan
+                    try:
+                        o = torch.ops.dflash_cuda.kv_proj(x, w, None)
+                        torch.cuda.synchronize()
+                        err = ((o.float() - want).abs().max() / want.abs().max()).item()
+                        plan_us[plan] = (t_us(lambda wi: torch.ops.dflash_cuda.kv_proj(x, wi, None),
+                                              ws) if err <= 2e-2 else f"WRONG (rel err {err:.2e})")
+                    except Exception as e:  # noqa: BLE001
+                        plan_us[plan] = f"failed: {type(e).__name__}: {str(e)[:80]}"
+                    finally:
+                        os.environ.pop(PLAN_ENV, None)
+                skinny["skinny_plans"] = plan_us
+                timed = {p_: v for p_, v in plan_us.items() if isinstance(v, float)}
+                if timed:
+                    bp = min(timed, key=timed.get)
+                    skinny["skinny_best_plan"], skinny["skinny_best_us"] = bp, timed[bp]
             # exact mode's default launch (models.linear.exact_default: one tile and split per
             # shape, serial or not by M; not the table's pick) and the same tile without the
             # split (session 21's)
@@ -273,6 +317,13 @@ def main():
                       f"skinny kernel (kv_proj)", flush=True)
             elif skinny:
                 print(f"   the C++ skinny kernel: {skinny['skinny_error']}", flush=True)
+            if "skinny_best_plan" in skinny:
+                us, plans = skinny["skinny_best_us"], skinny["skinny_plans"]
+                bad = [f"{p_}: {v}" for p_, v in plans.items() if not isinstance(v, float)]
+                print(f"   {us:8.1f} us  {us / lin:5.2f}x cuBLAS  {us / fl:5.2f}x floor  the "
+                      f"skinny kernel's best of {len(plans)} plans (MT,KG,SPLITS,U) "
+                      f"{skinny['skinny_best_plan']}" + (f"; {'; '.join(bad[:3])}" if bad else ""),
+                      flush=True)
             ec = ex["exact_cfg"]
             print(f"   exact: {ex['exact']:.1f} us ({ex['exact'] / lin:.2f}x cuBLAS, "
                   f"{ex['exact'] / fl:.2f}x floor; split {ec[8]}, "

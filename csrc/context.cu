@@ -48,6 +48,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -434,21 +436,84 @@ __device__ __forceinline__ float sq4(uint2 b) {
   return fmaf(f3, f3, fmaf(f2, f2, fmaf(f1, f1, f0 * f0)));
 }
 
+// One 64-element step's A fragments of a warp's MT m16 tiles: the lane's rows g and g + 8 of
+// each tile at its 16 elements of step c (w: the lane's first row at its elements; a row at or
+// past rows_left, counted from the warp's first row, reads as zero).
+template <class E, int MT>
+__device__ __forceinline__ void load_a_step(uint4 (&a)[MT][2][2], const typename E::Bits* w,
+                                            int64_t w_st, int rows_left, int c) {
+  using Bits = typename E::Bits;
+  const int gq = static_cast<int>(threadIdx.x & 31) >> 2;
+  const int64_t k0 = int64_t(c) * kChunk;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = mt * 16 + hr * 8;
+      const Bits* const src = w + int64_t(r) * w_st + k0;
+      if (r + gq < rows_left) {
+        a[mt][hr][0] = ld_stream16(src);
+        a[mt][hr][1] = ld_stream16(src + 8);
+      } else {
+        a[mt][hr][0] = a[mt][hr][1] = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+  }
+}
+
+// acc += step c's A fragments times the tokens' x (xb: x at the lane's 16 elements; tokens >= t
+// read as zero); with ssq_on, ssq[nt] += the squares of the x elements the lane's B fragments
+// held (token nt * 8 + g, a quarter of the step).
+template <class E, int MT, int NT>
+__device__ __forceinline__ void mma_step(const uint4 (&a)[MT][2][2], const typename E::Bits* xb,
+                                         int64_t x_st, int t, int c, bool ssq_on,
+                                         float (&acc)[MT][NT][4], float (&ssq)[NT]) {
+  constexpr bool kBF = std::is_same<E, BF16>::value;
+  const int gq = static_cast<int>(threadIdx.x & 31) >> 2;
+  const int64_t k0 = int64_t(c) * kChunk;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    uint2 b[NT];  // token nt * 8 + g, elements 4j .. 4j + 3 of the lane's 16
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int n = nt * 8 + gq;
+      b[nt] = n < t ? __ldg(reinterpret_cast<const uint2*>(xb + n * x_st + k0 + 4 * j))
+                    : make_uint2(0u, 0u);
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const uint4& lo = a[mt][0][j >> 1];
+      const uint4& hi = a[mt][1][j >> 1];
+      const bool odd = j & 1;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        mma_m16n8k16<kBF>(acc[mt][nt], odd ? lo.z : lo.x, odd ? hi.z : hi.x, odd ? lo.w : lo.y,
+                          odd ? hi.w : hi.y, b[nt]);
+      }
+    }
+    if (ssq_on) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) ssq[nt] += sq4<E>(b[nt]);
+    }
+  }
+}
+
 // The split-K main loop of the cluster GEMMs (context_fused_kernel, skinny_kernel): acc (zeroed
 // here) = this warp's MT m16 tiles of weight rows times the tokens' x rows over the 64-element
 // steps [c_lo, c_hi). w: the lane's first row (the warp's row g) at its 16 elements (+ 16 c);
 // a row at or past rows_left (counted from the warp's first row) reads as zero. xb: x at the
 // lane's 16 elements (+ 16 c); tokens >= t read as zero. With ssq_on, ssq[nt] sums the squares
 // of the x elements the lane's B fragments held (token nt * 8 + g, a quarter of each step).
-template <class E, int MT, int NT>
+// A sum over k doesn't care which k a fragment slot holds: slot (2c, 2c + 1, 2c + 8, 2c + 9) of
+// mma j holds elements 16c + 4j + 0..3. U: steps whose loads are issued before the first of
+// their mma's (U = 2: two round trips' bytes in flight a warp, 16 MT more registers).
+template <class E, int MT, int NT, int U = 1>
 __device__ __forceinline__ void split_k_steps(const typename E::Bits* w, int64_t w_st,
                                               int rows_left, const typename E::Bits* xb,
                                               int64_t x_st, int t, int c_lo, int c_hi,
                                               bool ssq_on, float (&acc)[MT][NT][4],
                                               float (&ssq)[NT]) {
-  using Bits = typename E::Bits;
-  constexpr bool kBF = std::is_same<E, BF16>::value;
-  const int gq = static_cast<int>(threadIdx.x & 31) >> 2;
+  static_assert(U == 1 || U == 2, "one or two steps in flight");
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     ssq[nt] = 0.f;
@@ -457,48 +522,20 @@ __device__ __forceinline__ void split_k_steps(const typename E::Bits* w, int64_t
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
   }
-  for (int c = c_lo; c < c_hi; ++c) {
-    const int64_t k0 = int64_t(c) * kChunk;
-    uint4 a[MT][2][2];  // [m tile][row g, g + 8][elements 0-7, 8-15 of the lane's 16]
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int r = mt * 16 + hr * 8;
-        const Bits* const src = w + int64_t(r) * w_st + k0;
-        if (r + gq < rows_left) {
-          a[mt][hr][0] = ld_stream16(src);
-          a[mt][hr][1] = ld_stream16(src + 8);
-        } else {
-          a[mt][hr][0] = a[mt][hr][1] = make_uint4(0u, 0u, 0u, 0u);
-        }
-      }
+  int c = c_lo;
+  if constexpr (U == 2) {
+    for (; c + 1 < c_hi; c += 2) {
+      uint4 a0[MT][2][2], a1[MT][2][2];  // [m tile][row g, g + 8][elements 0-7, 8-15]
+      load_a_step<E, MT>(a0, w, w_st, rows_left, c);
+      load_a_step<E, MT>(a1, w, w_st, rows_left, c + 1);
+      mma_step<E, MT, NT>(a0, xb, x_st, t, c, ssq_on, acc, ssq);
+      mma_step<E, MT, NT>(a1, xb, x_st, t, c + 1, ssq_on, acc, ssq);
     }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      uint2 b[NT];  // token nt * 8 + g, elements 4j .. 4j + 3 of the lane's 16
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const int n = nt * 8 + gq;
-        b[nt] = n < t ? __ldg(reinterpret_cast<const uint2*>(xb + n * x_st + k0 + 4 * j))
-                      : make_uint2(0u, 0u);
-      }
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const uint4& lo = a[mt][0][j >> 1];
-        const uint4& hi = a[mt][1][j >> 1];
-        const bool odd = j & 1;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          mma_m16n8k16<kBF>(acc[mt][nt], odd ? lo.z : lo.x, odd ? hi.z : hi.x, odd ? lo.w : lo.y,
-                            odd ? hi.w : hi.y, b[nt]);
-        }
-      }
-      if (ssq_on) {
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) ssq[nt] += sq4<E>(b[nt]);
-      }
-    }
+  }
+  for (; c < c_hi; ++c) {
+    uint4 a[MT][2][2];
+    load_a_step<E, MT>(a, w, w_st, rows_left, c);
+    mma_step<E, MT, NT>(a, xb, x_st, t, c, ssq_on, acc, ssq);
   }
 }
 
@@ -651,8 +688,9 @@ __global__ void __launch_bounds__(kBlock, NT == 1 ? 3 : 2)
 
 // ---------------------------------------------------------------------------------------------
 // kv_proj's skinny path (sm_90, 1 <= T <= kFusedTokens, bf16 / fp16, H a multiple of 64): the
-// fused kernel's GEMM without its epilogue, for any N. A CTA holds 128 MT rows of w (8 warps of
-// MT m16 tiles), a cluster of `splits` CTAs (1-8, from the shape: skinny_plan) cuts H; after a
+// fused kernel's GEMM without its epilogue, for any N. A CTA holds 128 MT / KG rows of w (8
+// warps of MT m16 tiles; KG warps a row group split the CTA's part of H), a cluster of `splits`
+// CTAs (1-8) cuts H (the plan: skinny_plan, or DFLASH_OPS_SKINNY_PLAN); after a
 // cluster barrier rank r sums its slice of the [T][rows] tile over the cluster (ranks in
 // order), adds the bias in fp32 and rounds once into out (F.linear's single rounding), and a
 // second barrier keeps every CTA's shared memory alive until the last read.
@@ -669,37 +707,67 @@ struct SkinnyGemm {
   int splits;        // CTAs a cluster
 };
 
-template <class E, int MT, int NT>
-__global__ void __launch_bounds__(kBlock, NT == 1 ? 3 : 2)
+// CTAs an SM each skinny_kernel instance is compiled for: U = 1 holds NT 1 to 80 registers (3 an
+// SM), U = 2 (16 MT more registers) 2 an SM, except MT 2 with NT 4 (~156 registers: 1).
+constexpr int skinny_min_blocks(int mt, int nt, int u) {
+  return u == 1 ? (nt == 1 ? 3 : 2) : (mt == 2 && nt == 4 ? 1 : 2);
+}
+
+// KG: warps a row group (8 / KG row groups of 16 MT rows: ROWS rows a CTA) that split the CTA's
+// steps among themselves, their partial tiles summed in shared memory (in warp order) before
+// the cluster's sum; U: steps in flight a warp (split_k_steps).
+template <class E, int MT, int NT, int KG, int U>
+__global__ void __launch_bounds__(kBlock, skinny_min_blocks(MT, NT, U))
     skinny_kernel(const __grid_constant__ SkinnyGemm g) {
   pdl_wait();  // x comes from the grid before
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Bits = typename E::Bits;
-  constexpr int ROWS = kWarps * 16 * MT, NTOK = 8 * NT, PR = ROWS + 4;
+  static_assert(kWarps % KG == 0, "whole row groups");
+  constexpr int RG = kWarps / KG, ROWS = RG * 16 * MT, NTOK = 8 * NT, PR = ROWS + 4;
   constexpr int kRowVecs = ROWS / 4;
-  __shared__ __align__(16) float part_s[NTOK * PR];
+  __shared__ __align__(16) float part_s[KG * NTOK * PR];
 
   const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
   const int gq = lane >> 2, cq = lane & 3;
+  const int rg = warp % RG, kg = warp / RG;
   const int rank = g.splits > 1 ? static_cast<int>(cluster_rank()) : 0;
   const int64_t n0 = int64_t(blockIdx.x / g.splits) * ROWS;
-  const int row0 = warp * 16 * MT;
+  const int row0 = rg * 16 * MT;
   const int64_t left = g.n - n0 - row0;  // the warp's rows inside w (may be <= 0)
   const int rows_left = static_cast<int>(left < 0 ? 0 : (left > 16 * MT ? 16 * MT : left));
   const Bits* const w = static_cast<const Bits*>(g.w) + (n0 + row0 + gq) * g.w_st + cq * 16;
   const Bits* const xb = static_cast<const Bits*>(g.x) + cq * 16;
   const int c_lo = rank * g.chunks / g.splits, c_hi = (rank + 1) * g.chunks / g.splits;
+  const int k_lo = c_lo + kg * (c_hi - c_lo) / KG, k_hi = c_lo + (kg + 1) * (c_hi - c_lo) / KG;
 
   float acc[MT][NT][4];
   float ssq[NT];
-  split_k_steps<E, MT, NT>(w, g.w_st, rows_left, xb, g.x_st, g.t, c_lo, c_hi, false, acc, ssq);
-  store_partial<MT, NT, PR>(part_s, row0, acc);
+  split_k_steps<E, MT, NT, U>(w, g.w_st, rows_left, xb, g.x_st, g.t, k_lo, k_hi, false, acc,
+                              ssq);
+  store_partial<MT, NT, PR>(part_s + kg * NTOK * PR, row0, acc);
+  const int nvec = g.t * kRowVecs;
+  if constexpr (KG > 1) {  // the row groups' K parts into part 0, in warp order
+    __syncthreads();
+    for (int i = static_cast<int>(threadIdx.x); i < nvec; i += kBlock) {
+      const int tok = i / kRowVecs, col = (i - tok * kRowVecs) * 4;
+      float4* const d = reinterpret_cast<float4*>(part_s + tok * PR + col);
+      float4 s = *d;
+#pragma unroll
+      for (int q = 1; q < KG; ++q) {
+        const float4 o = *reinterpret_cast<const float4*>(part_s + q * NTOK * PR + tok * PR + col);
+        s.x += o.x;
+        s.y += o.y;
+        s.z += o.z;
+        s.w += o.w;
+      }
+      *d = s;
+    }
+  }
   if (g.splits > 1) {
     cluster_sync();  // 1: every CTA's partial tile is in its shared memory
   } else {
     __syncthreads();
   }
-  const int nvec = g.t * kRowVecs;
   const int per = (nvec + g.splits - 1) / g.splits;
   const int v_lo = rank * per, v_hi = min(nvec, v_lo + per);
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(part_s));
@@ -1081,12 +1149,14 @@ bool run_fused(const at::Tensor& x, const at::Tensor& w_kv, const std::optional<
 }
 
 // The skinny kernel's launch for N rows, H / 64 = steps: m tiles a warp (MT: 2 = 256 rows a CTA,
-// 1 = 128) and CTAs a cluster (splits, at most 8: a portable cluster), from the shape alone.
-// Splits double while the grid is under two CTAs an SM and each CTA keeps >= 4 steps;
-// 256-row CTAs where that reaches 1.5 CTAs an SM, else 128-row ones (Qwen3-8B at these rows:
-// o_proj 32 x 8, qkv 48 x 8, gate_up 96 x 4 (256 rows), down 32 x 8, the LM head 594 x 1).
+// 1 = 128), warps a row group (KG), steps in flight a warp (U) and CTAs a cluster (splits, at
+// most 8: a portable cluster), from the shape alone. Splits double while the grid is under two
+// CTAs an SM and each CTA keeps >= 4 steps; 256-row CTAs where that reaches 1.5 CTAs an SM, else
+// 128-row ones (Qwen3-8B at these rows: o_proj 32 x 8, qkv 48 x 8, gate_up 96 x 4 (256 rows),
+// down 32 x 8, the LM head 594 x 1); KG 1 and U 1 (the other plans wait for a measurement:
+// DFLASH_OPS_SKINNY_PLAN times them).
 struct SkinnyPlan {
-  int mt, splits;
+  int mt, kg, u, splits;
   int64_t tiles;
 };
 SkinnyPlan skinny_plan(int64_t n, int64_t steps, int sms) {
@@ -1095,22 +1165,54 @@ SkinnyPlan skinny_plan(int64_t n, int64_t steps, int sms) {
     const int64_t tiles = (n + 128 * mt - 1) / (128 * mt);
     int splits = 1;
     while (splits < kSplits && tiles * splits < 2 * sms && steps >= 8 * splits) splits *= 2;
-    plan = SkinnyPlan{mt, splits, tiles};
+    plan = SkinnyPlan{mt, 1, 1, splits, tiles};
     if (2 * tiles * splits >= 3 * sms) break;
   }
   return plan;
 }
 
-template <class E, int MT, int NT>
-bool launch_skinny(const SkinnyGemm& g, int64_t tiles, cudaStream_t stream) {
-  return launch_cluster(skinny_kernel<E, MT, NT>, g.splits, tiles * g.splits, stream, g);
+// DFLASH_OPS_SKINNY_PLAN="MT,KG,SPLITS,U" (read at each call; unset or empty: skinny_plan) forces
+// the plan, for the benchmarks that time the plans of a shape in one process.
+SkinnyPlan forced_skinny_plan(int64_t n, const SkinnyPlan& dflt) {
+  const char* env = std::getenv("DFLASH_OPS_SKINNY_PLAN");
+  if (env == nullptr || env[0] == '\0') return dflt;
+  int mt = 0, kg = 0, splits = 0, u = 0;
+  char tail = 0;
+  const int got = std::sscanf(env, "%d,%d,%d,%d%c", &mt, &kg, &splits, &u, &tail);
+  TORCH_CHECK_VALUE(got == 4 && (mt == 1 || mt == 2) && (kg == 1 || (kg == 4 && mt == 1)) &&
+                        (splits == 1 || splits == 2 || splits == 4 || splits == 8) &&
+                        (u == 1 || u == 2),
+                    "DFLASH_OPS_SKINNY_PLAN: expected 'MT,KG,SPLITS,U' with MT 1 or 2, KG 1 "
+                    "or 4 (4 with MT 1 only), SPLITS 1, 2, 4 or 8, U 1 or 2, got '", env, "'");
+  const int64_t rows = 128 * mt / kg;
+  return SkinnyPlan{mt, kg, u, splits, (n + rows - 1) / rows};
 }
 
-template <class E, int MT>
+template <class E, int MT, int NT, int KG, int U>
+bool launch_skinny(const SkinnyGemm& g, int64_t tiles, cudaStream_t stream) {
+  return launch_cluster(skinny_kernel<E, MT, NT, KG, U>, g.splits, tiles * g.splits, stream, g);
+}
+
+template <class E, int MT, int KG, int U>
 bool launch_skinny_t(const SkinnyGemm& g, int64_t tiles, cudaStream_t stream) {
-  if (g.t <= 8) return launch_skinny<E, MT, 1>(g, tiles, stream);
-  if (g.t <= 16) return launch_skinny<E, MT, 2>(g, tiles, stream);
-  return launch_skinny<E, MT, 4>(g, tiles, stream);
+  if (g.t <= 8) return launch_skinny<E, MT, 1, KG, U>(g, tiles, stream);
+  if (g.t <= 16) return launch_skinny<E, MT, 2, KG, U>(g, tiles, stream);
+  return launch_skinny<E, MT, 4, KG, U>(g, tiles, stream);
+}
+
+template <class E>
+bool launch_skinny_plan(const SkinnyGemm& g, const SkinnyPlan& plan, cudaStream_t stream) {
+  const int64_t tiles = plan.tiles;
+  if (plan.mt == 2) {
+    return plan.u == 1 ? launch_skinny_t<E, 2, 1, 1>(g, tiles, stream)
+                       : launch_skinny_t<E, 2, 1, 2>(g, tiles, stream);
+  }
+  if (plan.kg == 4) {
+    return plan.u == 1 ? launch_skinny_t<E, 1, 4, 1>(g, tiles, stream)
+                       : launch_skinny_t<E, 1, 4, 2>(g, tiles, stream);
+  }
+  return plan.u == 1 ? launch_skinny_t<E, 1, 1, 1>(g, tiles, stream)
+                     : launch_skinny_t<E, 1, 1, 2>(g, tiles, stream);
 }
 
 // out = x @ w^T (+ bias) by skinny_kernel; false (nothing launched) where the device cannot
@@ -1131,15 +1233,11 @@ bool run_skinny(const at::Tensor& x, const at::Tensor& w, const std::optional<at
   int dev = 0, sms = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  const SkinnyPlan plan = skinny_plan(n, g.chunks, sms);
+  const SkinnyPlan plan = forced_skinny_plan(n, skinny_plan(n, g.chunks, sms));
   g.splits = plan.splits;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
-  if (x.scalar_type() == at::kBFloat16) {
-    return plan.mt == 2 ? launch_skinny_t<BF16, 2>(g, plan.tiles, stream)
-                        : launch_skinny_t<BF16, 1>(g, plan.tiles, stream);
-  }
-  return plan.mt == 2 ? launch_skinny_t<F16, 2>(g, plan.tiles, stream)
-                      : launch_skinny_t<F16, 1>(g, plan.tiles, stream);
+  return x.scalar_type() == at::kBFloat16 ? launch_skinny_plan<BF16>(g, plan, stream)
+                                          : launch_skinny_plan<F16>(g, plan, stream);
 }
 
 }  // namespace

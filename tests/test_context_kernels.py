@@ -11,6 +11,8 @@ Each backend (triton, cuda) is forced in turn; a backend without the op skips wi
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -65,6 +67,41 @@ def test_kv_proj_skinny(shape, dtype):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         interp.check_kv_proj(DEV, (dtype,), shapes=(shape,), backend="cuda")
     assert any("skinny_kernel" in e.key for e in prof.key_averages()), "the skinny kernel did not run"
+
+
+# DFLASH_OPS_SKINNY_PLAN (MT, KG, SPLITS, U): every kernel instance the variable can force,
+# each at shapes where its row groups, splits and two-step loop have tails: N not a multiple of
+# the CTA's rows, steps that do not divide among the splits and row groups, odd step counts,
+# more splits x row groups than steps (idle warps)
+SKINNY_PLANS = ["2,1,1,1", "2,1,4,2", "1,1,8,1", "1,1,2,2", "1,4,8,1", "1,4,2,2", "1,4,8,2",
+                "2,1,8,2"]
+SKINNY_PLAN_SHAPES = [(1, 5120, 1280), (9, 704, 1000), (32, 192, 4100), (16, 4096, 4096)]
+
+
+@pytest.mark.parametrize("plan", SKINNY_PLANS)
+@pytest.mark.parametrize("shape", SKINNY_PLAN_SHAPES, ids=lambda s: "T{}_H{}_N{}".format(*s))
+def test_kv_proj_skinny_plans(shape, plan, monkeypatch):
+    """The skinny kernel under each forced plan (read at each call), bf16 and fp16, with and
+    without bias, within the tolerance rule of the torch reference; the profiler sees it run."""
+    _need("kv_proj", "cuda")
+    monkeypatch.setenv("DFLASH_OPS_SKINNY_PLAN", plan)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        interp.check_kv_proj(DEV, (BF16, FP16), shapes=(shape,), backend="cuda")
+    assert any("skinny_kernel" in e.key for e in prof.key_averages()), "the skinny kernel did not run"
+
+
+@pytest.mark.parametrize("value", ["1,2,8,1", "2,4,1,1", "3,1,1,1", "1,1,3,1", "1,1,1,3",
+                                   "1,1,1", "1,1,1,1,", "a"])
+def test_kv_proj_skinny_plan_refuses_bad_values(value, monkeypatch):
+    _need("kv_proj", "cuda")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the skinny kernel runs on sm_90 only")
+    monkeypatch.setenv("DFLASH_OPS_SKINNY_PLAN", value)
+    x = torch.randn(2, 128, device=DEV, dtype=BF16)
+    w = torch.randn(256, 128, device=DEV, dtype=BF16)
+    with pytest.raises(ValueError, match=r"DFLASH_OPS_SKINNY_PLAN: expected 'MT,KG,SPLITS,U'.*"
+                                         r"got '" + re.escape(value) + "'"):
+        torch.ops.dflash_cuda.kv_proj(x, w, None)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

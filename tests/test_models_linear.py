@@ -203,3 +203,28 @@ def test_split_k_path_matches_f_linear_gpu(monkeypatch, m, split, tma):
                                atol=3e-2, rtol=2e-2)
     torch.cuda.synchronize()
     assert all(int(c.abs().sum()) == 0 for c in tc._COUNTERS.values())
+
+
+def test_sweep_times_the_skinny_plans_that_fill_the_gpu():
+    """benchmarks/sweep_linear.py's plans for the skinny kernel (DFLASH_OPS_SKINNY_PLAN values):
+    grids of half an SM each up to eight CTAs an SM, both U, every MT / KG family that fits,
+    no more splits than 64-element steps."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "sweep_linear.py"
+    spec = importlib.util.spec_from_file_location("sweep_linear", path)
+    sw = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sw)
+    for name, (n, k) in sw.SHAPES.items():
+        plans = sw.skinny_plans(n, k, 132)
+        assert plans and len(plans) == len(set(plans)), name
+        for plan in plans:
+            mt, kg, splits, u = map(int, plan.split(","))
+            ctas = -(-n // (128 * mt // kg)) * splits
+            assert 66 <= ctas <= 8 * 132 and splits <= k // 64 and u in (1, 2), (name, plan)
+            assert f"{mt},{kg},{splits},{3 - u}" in plans
+    # proj2 (N 1280): 128-row CTAs fill at most 80 CTAs with 8 splits; 32-row ones up to 320
+    assert "1,4,8,2" in sw.skinny_plans(1280, 5120, 132)
+    assert not any(p.startswith("2,") for p in sw.skinny_plans(1280, 5120, 132))
+    assert sw.skinny_plans(151936, 4096, 132) == ["2,1,1,1", "2,1,1,2"]  # the LM head
+    assert sw.skinny_plans(256, 128, 132) == []  # 2 steps: too few CTAs at any split
