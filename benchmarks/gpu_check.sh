@@ -234,7 +234,7 @@ if [ "$what" = dflash2 ]; then  # DFlash 2's ops against their floors (bench_dfl
   fi
 fi
 if [ "$what" = fused ]; then  # session 27's cluster kernels: tests, probe, vLLM 1k
-  timeout "${FUSED_TEST_TIMEOUT:-150}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
+  timeout "${FUSED_TEST_TIMEOUT:-200}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
     tests/test_context_kernels.py tests/test_models_linear.py -k "cuda or fused_path or skinny" \
     >"$OUT/pytest_fused.log" 2>&1
   r=$?; [ $r -ne 0 ] && rc=$r

@@ -708,9 +708,12 @@ struct SkinnyGemm {
 };
 
 // CTAs an SM each skinny_kernel instance is compiled for: U = 1 holds NT 1 to 80 registers (3 an
-// SM), U = 2 (16 MT more registers) 2 an SM, except MT 2 with NT 4 (~156 registers: 1).
+// SM), else 2 an SM (<= 128). U = 2 (16 MT more registers): 2 an SM at NT 1 and at MT 1 with
+// NT 2 (88-114 registers), else 1: held to 128, ptxas moved the second step's loads after the
+// first step's mma's (a review of the SASS); with the room (150-158 registers) they come first,
+// except at MT 2 / NT 4 (186 registers), where 5 of the 16 still issue after the first mma.
 constexpr int skinny_min_blocks(int mt, int nt, int u) {
-  return u == 1 ? (nt == 1 ? 3 : 2) : (mt == 2 && nt == 4 ? 1 : 2);
+  return u == 1 ? (nt == 1 ? 3 : 2) : (nt == 1 || (mt == 1 && nt == 2) ? 2 : 1);
 }
 
 // KG: warps a row group (8 / KG row groups of 16 MT rows: ROWS rows a CTA) that split the CTA's
@@ -729,7 +732,9 @@ __global__ void __launch_bounds__(kBlock, skinny_min_blocks(MT, NT, U))
 
   const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
   const int gq = lane >> 2, cq = lane & 3;
-  const int rg = warp % RG, kg = warp / RG;
+  // (KG 1 spelled out: ptxas cannot prove warp < 8 and kept kg live, costing the default plan
+  // 6-12 registers and the order of its loads)
+  const int rg = KG == 1 ? warp : warp % RG, kg = KG == 1 ? 0 : warp / RG;
   const int rank = g.splits > 1 ? static_cast<int>(cluster_rank()) : 0;
   const int64_t n0 = int64_t(blockIdx.x / g.splits) * ROWS;
   const int row0 = rg * 16 * MT;
@@ -738,7 +743,8 @@ __global__ void __launch_bounds__(kBlock, skinny_min_blocks(MT, NT, U))
   const Bits* const w = static_cast<const Bits*>(g.w) + (n0 + row0 + gq) * g.w_st + cq * 16;
   const Bits* const xb = static_cast<const Bits*>(g.x) + cq * 16;
   const int c_lo = rank * g.chunks / g.splits, c_hi = (rank + 1) * g.chunks / g.splits;
-  const int k_lo = c_lo + kg * (c_hi - c_lo) / KG, k_hi = c_lo + (kg + 1) * (c_hi - c_lo) / KG;
+  const int k_lo = KG == 1 ? c_lo : c_lo + kg * (c_hi - c_lo) / KG;
+  const int k_hi = KG == 1 ? c_hi : c_lo + (kg + 1) * (c_hi - c_lo) / KG;
 
   float acc[MT][NT][4];
   float ssq[NT];

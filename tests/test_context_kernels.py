@@ -87,7 +87,11 @@ def test_kv_proj_skinny_plans(shape, plan, monkeypatch):
     monkeypatch.setenv("DFLASH_OPS_SKINNY_PLAN", plan)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         interp.check_kv_proj(DEV, (BF16, FP16), shapes=(shape,), backend="cuda")
-    assert any("skinny_kernel" in e.key for e in prof.key_averages()), "the skinny kernel did not run"
+    mt, kg, _, u = plan.split(",")
+    nt = 1 if shape[0] <= 8 else 2 if shape[0] <= 16 else 4
+    want = re.compile(rf"skinny_kernel<[^<>]*\b{mt}, {nt}, {kg}, {u}>")
+    names = {e.key for e in prof.key_averages() if "skinny_kernel" in e.key}
+    assert any(want.search(k) for k in names), f"not the forced instance: {names}"
 
 
 @pytest.mark.parametrize("value", ["1,2,8,1", "2,4,1,1", "3,1,1,1", "1,1,3,1", "1,1,1,3",
