@@ -69,6 +69,13 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels (liger-kernel for the b
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
+# A library left by an earlier call on this (warm) machine from other sources is dropped, so a
+# changed csrc/ never runs stale kernels (dflash_ops/.C_sources: the sources' hash at its build).
+src_hash=$(bash benchmarks/prebuild_hash.sh)
+if ls dflash_ops/_C*.so >/dev/null 2>&1 && [ "$(cat dflash_ops/.C_sources 2>/dev/null)" != "$src_hash" ]; then
+  echo "install: dflash_ops/_C was built from other sources; replacing it"
+  rm -f dflash_ops/_C*.so
+fi
 # A library built on the CPU machine (benchmarks/prebuild.sh, carried as .prebuilt) is taken
 # where its stamp names these sources and this torch; if it then fails to import, the build runs.
 if ! python3 -c "import dflash_ops._C" 2>/dev/null && [ -f .prebuilt/stamp ]; then
@@ -89,6 +96,7 @@ if ! python3 -c "import dflash_ops._C" 2>/dev/null; then
   python3 -m pip install -e . --no-build-isolation --no-deps >"$OUT/install.log" 2>&1 \
     || { tail -40 "$OUT/install.log"; exit 1; }
 fi
+echo "$src_hash" > dflash_ops/.C_sources
 echo "install: $(( $(date +%s) - t0 )) s"
 { python3 -m dflash_ops info; python3 -m dflash_ops check; } 2>&1 | tee "$OUT/info_check.log"
 rc=0
