@@ -423,7 +423,7 @@ def test_bench_policy_times_the_three_loops_interleaved(monkeypatch):
 
     monkeypatch.setattr(bp, "_loop_rate", fake_loop)
     monkeypatch.setattr(demo, "_decode_graphed", lambda t, p, n: ([[1, 2, 3] for _ in p], 0.5))
-    target = SimpleNamespace(cfg=SimpleNamespace(vocab_size=50))
+    target = SimpleNamespace(cfg=SimpleNamespace(vocab_size=50), forward=None)
     drafter = SimpleNamespace(cfg=SimpleNamespace(mask_token_id=49, vocab_size=50),
                               cache=SimpleNamespace(block_table=torch.zeros(3, 4)),
                               device=torch.device("cpu"))
@@ -634,3 +634,87 @@ def test_bench_policy_verdict_names_the_missing_p_of_a_case():
     v = bp.verdict(rows, [(1, 1024), (8, 1024)])
     assert v[1] == (f"verdict: {len(bp.P_GRID) + 1} of {2 * len(bp.P_GRID)} grid points not "
                     f"measured: B=1 S=1024 p={bp.P_GRID[-1]}, B=8 S=1024")
+
+
+def _counter_pair(dtype=torch.float32):
+    """A tiny counter target (bench.policy.counter_target) and a random drafter for it, CPU."""
+    from dflash_ops.bench.e2e import _random_state
+    from dflash_ops.bench.policy import counter_target
+    from dflash_ops.models.target import TargetConfig, expected_target_shapes
+    cfg = TargetConfig(hidden_size=256, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64,
+                       intermediate_size=512, vocab_size=1000, rms_norm_eps=1e-6,
+                       rope_theta=1e6, tie_word_embeddings=False, attention_bias=False,
+                       qk_norm=True, source="test")
+    state = _random_state(expected_target_shapes(cfg)[0], 0, "cpu", dtype)
+    counter_target(state, successor_of=900)
+    return Target(cfg, state, dtype=dtype, device="cpu", max_requests=4, max_len=256,
+                  num_blocks=64, block_size=16)
+
+
+def test_fast_prefill_runs_the_last_tokens_and_keeps_the_tokens():
+    """bench.policy.fast_prefill: a prefill (logit_rows given) runs only each prompt's last
+    token at its position (T = requests), its logits' argmax is the real prefill's (the counter
+    target's successor), taps are zeros but for the last rows; steps (no logit_rows) pass
+    through; the method is restored after the block, and plain greedy decoding under it gives
+    the real prefill's tokens."""
+    from dflash_ops.bench.policy import fast_prefill
+    target = _counter_pair()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 900, (n,), generator=g).tolist() for n in (37, 5, 70)]
+    want = plain_greedy(target, prompts, 12)
+    seen = []
+    inner = type(target).forward
+
+    def spy(self, ids, *a, **k):
+        seen.append(ids.numel())
+        return inner(self, ids, *a, **k)
+
+    type(target).forward = spy
+    try:
+        with fast_prefill(target):
+            got = plain_greedy(target, prompts, 12)
+            for r, p in enumerate(prompts):
+                target.add_request(r, len(p) + 2)
+            try:
+                flat = torch.tensor([t for p in prompts for t in p])
+                lens = torch.tensor([len(p) for p in prompts])
+                logits, taps = target.forward(flat, torch.arange(3), torch.zeros(3, dtype=torch.long),
+                                              lens, [0, 2], logit_rows=torch.cumsum(lens, 0) - 1)
+            finally:
+                for r in range(3):
+                    target.free_request(r)
+    finally:
+        type(target).forward = inner
+    assert got == want
+    assert seen[0] == 3 and seen[-1] == 3  # the prefills ran one token a request
+    assert all(n == 3 for n in seen[1:])  # plain greedy's steps: one token a request, untouched
+    assert logits.shape[0] == 3 and logits.argmax(-1).tolist() == [(p[-1] + 1) % 900 for p in prompts]
+    last = (torch.cumsum(lens, 0) - 1).tolist()
+    assert taps.shape[0] == flat.numel() and taps[last].abs().sum(-1).min() > 0
+    others = [i for i in range(flat.numel()) if i not in last]
+    assert taps[others].abs().sum() == 0
+    assert "forward" not in vars(target)
+
+
+def test_fast_prefill_in_the_loop_keeps_the_tokens():
+    """speculative_generate under bench.policy.fast_prefill (the drafter's context from zero
+    taps but for the last rows) on a counter target commits the real prefill's tokens."""
+    from dflash_ops.bench.policy import counter_target, fast_prefill
+    tc, ts, dc, ds = counter_pair(**SMALL)
+    if "lm_head.weight" not in ts:
+        ts["lm_head.weight"] = ts["model.embed_tokens.weight"].clone()
+        tc["tie_word_embeddings"] = False
+    counter_target(ts, successor_of=60)
+    cache = dict(dtype=torch.float32, device="cpu", max_requests=4, max_len=320,
+                 num_blocks=80)
+    target = Target(TargetConfig.from_hf(tc), ts, block_size=16, **cache)
+    drafter = DFlashDrafter(DFlashConfig.from_dict(dc), ds, embed_tokens=target.embed,
+                            lm_head=target.lm_head, cache_block_size=16, **cache)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 60, (n,), generator=g).tolist() for n in (90, 41, 150)]
+    want = [[(p[-1] + 1 + i) % 60 for i in range(40)] for p in prompts]
+    assert plain_greedy(target, prompts, 40) == want
+    with fast_prefill(target):
+        out, st = speculative_generate(target, drafter, prompts, 40, policy=False)
+    assert out == want and st.seconds["prefill"] > 0
+    assert "forward" not in vars(target)

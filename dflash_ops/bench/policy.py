@@ -23,7 +23,9 @@ run interleaved (never, always, policy; each repeat in a rotated order), so drif
 runs falls on all three alike, and the notes give every run's iteration counts. Tokens a second count the new
 tokens over the time after the prefill (the loop's ``Stats.seconds['prefill']``,
 synchronised; for plain decode the same prefill is measured once and subtracted), capture
-excluded. A warm-up run of each strategy first in each case (compiles, autotuning, the
+excluded. The prefills run only each prompt's last token (``fast_prefill``: the same steps and
+tokens after it; ``--real-prefill`` computes every prompt token), so a run at 32 x 8k costs its
+decode, not ~7 s of prompt FLOPs. A warm-up run of each strategy first in each case (compiles, autotuning, the
 policy's cost table, which it keeps per drafter across calls as a server would); each p is a new workload: the policy forgets the pair's acceptance (keeps
 the costs) and gets one warm-up run on it before the timed ones.
 
@@ -179,6 +181,43 @@ def _traced(path: Optional[str], **tag):
                 f.write(json.dumps(r) + "\n")
 
 
+@contextlib.contextmanager
+def fast_prefill(target):
+    """Within the block, a prefill (a ``target.forward`` call with ``logit_rows``: the loop's and
+    plain decode's) runs only each prompt's last token, at its position, over the K/V already
+    in the cache (zeros, or an earlier run's); its taps are zeros but for those rows. The
+    decode, draft and verify steps that follow are the same kernels over the same lengths,
+    whose time does not depend on the cached values, and the counter target's next token is
+    the last token's successor whatever the context holds (``counter_target``'s margin), so
+    the tokens are those of a real prefill. Tokens a second leave the prefill out either way;
+    this only spares the device the prompts' FLOPs (at 32 x 8k ~7 s a run, ~68 runs a case)."""
+    inner = target.forward
+
+    def forward(ids, requests, starts, q_lens, tap_layers=None, fp32_logits=True,
+                logit_rows=None):
+        if logit_rows is None:  # a step (eager or under capture): untouched
+            return inner(ids, requests, starts, q_lens, tap_layers, fp32_logits)
+        rows = target._as_index(logit_rows)
+        q = target._as_index(q_lens)
+        logits, taps = inner(ids.reshape(-1)[rows], requests, target._as_index(starts) + q - 1,
+                             torch.ones_like(q), tap_layers, fp32_logits)
+        if taps is not None:
+            full = taps.new_zeros(ids.numel(), taps.shape[-1])
+            full[rows] = taps
+            taps = full
+        return logits, taps
+
+    prev = vars(target).get("forward")
+    target.forward = forward
+    try:
+        yield
+    finally:
+        if prev is None:
+            del target.forward  # the class's method again
+        else:
+            target.forward = prev
+
+
 def _say(text: str) -> None:
     print(f"[policy] {text}", file=sys.stderr, flush=True)
 
@@ -196,7 +235,15 @@ def _loop_rate(target, drafter, prompts, n_new, **kw) -> tuple:
 
 
 def run_case(res: Results, target, drafter, batch: int, context: int, ps=P_GRID,
-             n_new: int = NEW_TOKENS, seed: int = 0, repeats: int = REPEATS) -> None:
+             n_new: int = NEW_TOKENS, seed: int = 0, repeats: int = REPEATS,
+             real_prefill: bool = False) -> None:
+    """One (batch, context) case of the grid over ``ps``: rates in ``TABLE``, ratios in
+    ``SUMMARY``; the prefills under ``fast_prefill`` unless ``real_prefill``."""
+    with contextlib.nullcontext() if real_prefill else fast_prefill(target):
+        _run_case(res, target, drafter, batch, context, ps, n_new, seed, repeats)
+
+
+def _run_case(res, target, drafter, batch, context, ps, n_new, seed, repeats):
     from ..speculator.demo import _decode_graphed
     label = f"B={batch} S={context}"
     g = torch.Generator().manual_seed(seed)
@@ -380,7 +427,14 @@ def parse_ps(text: str) -> tuple:
     return tuple(p for p in P_GRID if p in want)
 
 
-def run(quick: bool = False, cases=None) -> Results:
+def add_options(p) -> None:
+    p.add_argument("--real-prefill", action="store_true",
+                   help="compute every prompt token's K/V in each run's prefill (default: only "
+                        "the last token's, see fast_prefill; tokens a second exclude the "
+                        "prefill either way)")
+
+
+def run(quick: bool = False, cases=None, real_prefill: bool = False) -> Results:
     from .e2e import (KV_BLOCK, build_models, install_caches, parse_cases,
                       qwen3_8b_dflash_config, qwen3_8b_target_config, release_caches, round_up)
     env = os.environ.get(ENV_CASES, "").strip()
@@ -418,7 +472,7 @@ def run(quick: bool = False, cases=None) -> Results:
             continue
         try:
             install_caches(target, drafter, b + 1, blocks, max_len, fill=False)
-            run_case(res, target, drafter, b, s, ps=ps)
+            run_case(res, target, drafter, b, s, ps=ps, real_prefill=real_prefill)
         except torch.cuda.OutOfMemoryError as e:
             _say(f"B={b} S={s}: out of memory, skipped ({str(e).splitlines()[0][:120]})")
         finally:
@@ -431,6 +485,10 @@ def run(quick: bool = False, cases=None) -> Results:
         "prompts",
         f"{NEW_TOKENS} new tokens a request, random prompts, Qwen3-8B target and "
         "Qwen3-8B-DFlash-b16 drafter shapes, random bf16 weights, block 16",
+        "prefill: every prompt token computed" if real_prefill else
+        "prefill: only each prompt's last token computed, over zero K/V for the rest "
+        "(fast_prefill: the steps timed after it and the tokens are the same; --real-prefill "
+        "computes them all)",
     ]
     res.notes += verdict(res.rows)
     res.plot = lambda path: plot(res, path)  # the suite's own figure
