@@ -35,7 +35,7 @@ fit in memory is skipped with a line saying so. ``DFLASH_OPS_BENCH_POLICY_TRACE=
 every choice of the timed policy runs to PATH (JSON lines: ``_traced``);
 ``DFLASH_OPS_BENCH_POLICY_PS`` (e.g. ``0,0.2``) runs only those p. A run of chosen cases or p
 writes ``policy-<cases>[-p<ps>].{md,json,png}``. The whole grid does not fit one device call
-(a run of 32 x 8k prefills 262k tokens: ~10 s a run, ~68 runs a case), so
+(~68 runs a case, each decoding 128 tokens a request: ~2-4 s a run at 32 x 8k), so
 ``python -m dflash_ops.bench.policy merge policy-*.json`` joins runs into ``policy.*`` with the
 verdict below and the grid points still missing (on any machine).
 
