@@ -82,7 +82,8 @@ if ! python3 -c "import dflash_ops._C" 2>/dev/null && [ -f .prebuilt/stamp ]; th
   want="sources $(bash benchmarks/prebuild_hash.sh)
 torch $(python3 -c 'import torch; print(torch.__version__)')"
   if [ "$want" = "$(cat .prebuilt/stamp)" ]; then
-    cp .prebuilt/_C.*.so dflash_ops/ \
+    python3 -c "import lzma, sys; open(sys.argv[2], 'wb').write(lzma.decompress(open(sys.argv[1], 'rb').read()))" \
+      .prebuilt/_C.cpython-312-x86_64-linux-gnu.so.xz dflash_ops/_C.cpython-312-x86_64-linux-gnu.so \
       && DFLASH_OPS_NO_CUDA=1 python3 -m pip install -e . --no-build-isolation --no-deps \
         >"$OUT/install.log" 2>&1
     if python3 -c "import dflash_ops._C" 2>>"$OUT/install.log"; then echo "install: prebuilt _C"

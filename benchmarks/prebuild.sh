@@ -6,7 +6,7 @@
 # in PREBUILD_CACHE). The wheel's torch is not imported (its CUDA libraries are absent on a CPU
 # machine): the compile and link lines are the ones torch.utils.cpp_extension writes for setup.py
 # (COMMON_NVCC_FLAGS, -DTORCH_API_INCLUDE_EXTENSION_H, the cxx11 ABI, setup.py's own flags).
-# Output: .prebuilt/_C.cpython-312-x86_64-linux-gnu.so and .prebuilt/stamp (the sources' hash, the
+# Output: .prebuilt/_C.cpython-312-x86_64-linux-gnu.so.xz and .prebuilt/stamp (the sources' hash, the
 # torch version): gpu_check.sh takes the library only where both match the device copy.
 # Usage: bash benchmarks/prebuild.sh     (JOBS parallel compiles; 95 s on 2 cores)
 # PREBUILD_CHECK=1 also loads the library into that torch on this machine (a Python 3.12 venv in
@@ -65,7 +65,8 @@ ls csrc/*.cu csrc/*.cpp | xargs -P "$JOBS" -I{} bash -c \
   'read -ra nvflags <<<"$nvflags_s"; read -ra defs <<<"$defs_s"; read -ra inc <<<"$inc_s"; compile {}'
 cuda_lib=$(dirname "$(dirname "$(command -v nvcc)")")/lib64
 [ -d "$cuda_lib" ] || cuda_lib=/usr/local/cuda/lib64
-out=.prebuilt/_C.cpython-312-x86_64-linux-gnu.so
+out="$CACHE/_C.cpython-312-x86_64-linux-gnu.so"
+rm -f .prebuilt/_C.*
 g++ -shared "$obj"/*.o -L"$T/lib" -lc10 -ltorch -ltorch_cpu -ltorch_python -lc10_cuda \
   -ltorch_cuda -L"$cuda_lib" -lcudart -Wl,--exclude-libs,ALL -o "$out"
 { echo "sources $(bash benchmarks/prebuild_hash.sh)"; echo "torch $tv"; } >.prebuilt/stamp
@@ -97,5 +98,8 @@ print(f"prebuild check: torch {torch.__version__} loads it; the {len(ops)} ops c
 PY
   rm -rf "$tree"
 fi
-echo "prebuild: $out ($(du -h "$out" | cut -f1), $(( $(date +%s) - t0 )) s); stamp:"
+# carried xz-compressed (19 MB -> ~2 MB: the carry limit is 64 MiB with the vLLM bundle's 33)
+$py -c "import lzma, sys; open(sys.argv[2], 'wb').write(lzma.compress(open(sys.argv[1], 'rb').read()))" \
+  "$out" ".prebuilt/$(basename "$out").xz"
+echo "prebuild: .prebuilt/$(basename "$out").xz ($(du -h ".prebuilt/$(basename "$out").xz" | cut -f1), $(( $(date +%s) - t0 )) s); stamp:"
 cat .prebuilt/stamp
