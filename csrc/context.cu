@@ -335,6 +335,7 @@ __global__ void __launch_bounds__(kBlock, V > 1 ? (XRMS ? 4 : 5) : 1)
 // their B fragments), K norm, RoPE, the paged stores.
 constexpr int kFusedTokens = 32;
 constexpr int kSplits = 8;  // CTAs a cluster (portable cluster size)
+constexpr int kSkinnyRows = 8;  // kv_proj's skinny path by default (see kv_proj)
 constexpr int kChunk = 64;  // H elements a main-loop step
 constexpr int kFusedD = 128;
 
@@ -1036,8 +1037,9 @@ bool split_k_operands(const at::Tensor& x, const at::Tensor& w,
 }
 
 // The fused path's conditions (the block comment above context_fused_kernel) on the operands;
-// the caches and k_weight are fill_params's vector-path test. DFLASH_OPS_CONTEXT_FUSED=0 turns
-// the path off (read at each call: the benchmarks' A/B of the two paths in one process).
+// the caches and k_weight are fill_params's vector-path test. Off unless DFLASH_OPS_CONTEXT_FUSED
+// =1 (read at each call: the benchmarks' A/B of the two paths in one process): on the H100 it
+// ran 2-13 us slower than cuBLAS + the epilogue kernel at 1-32 tokens (NOTES, session 28).
 bool fused_operands(const at::Tensor& x, const at::Tensor& w_kv,
                     const std::optional<at::Tensor>& bias,
                     const std::optional<at::Tensor>& hidden_norm_weight, bool hidden_rms,
@@ -1048,7 +1050,7 @@ bool fused_operands(const at::Tensor& x, const at::Tensor& w_kv,
   if (k_caches[0].size(3) != kFusedD) return false;
   if (bias.has_value() && !aligned16(bias->data_ptr())) return false;  // vector loads
   const char* env = std::getenv("DFLASH_OPS_CONTEXT_FUSED");
-  if (env != nullptr && env[0] == '0' && env[1] == '\0') return false;
+  if (env == nullptr || env[0] != '1' || env[1] != '\0') return false;
   return sm90_code();
 }
 
@@ -1154,19 +1156,26 @@ bool run_fused(const at::Tensor& x, const at::Tensor& w_kv, const std::optional<
                  : launch_fused_t<F16, false, false>(p, g, tiles, stream);
 }
 
-// The skinny kernel's launch for N rows, H / 64 = steps: m tiles a warp (MT: 2 = 256 rows a CTA,
-// 1 = 128), warps a row group (KG), steps in flight a warp (U) and CTAs a cluster (splits, at
-// most 8: a portable cluster), from the shape alone. Splits double while the grid is under two
-// CTAs an SM and each CTA keeps >= 4 steps; 256-row CTAs where that reaches 1.5 CTAs an SM, else
-// 128-row ones (Qwen3-8B at these rows: o_proj 32 x 8, qkv 48 x 8, gate_up 96 x 4 (256 rows),
-// down 32 x 8, the LM head 594 x 1); KG 1 and U 1 (the other plans wait for a measurement:
-// DFLASH_OPS_SKINNY_PLAN times them).
+// The skinny kernel's launch for N rows, H / 64 = steps, t tokens: m tiles a warp (MT), warps a
+// row group (KG), steps in flight a warp (U) and CTAs a cluster (splits, at most 8: a portable
+// cluster), from the shape alone.
+// - t <= 8 (kv_proj's default range): 32-row CTAs (MT 1, KG 4) with two steps in flight (U 2),
+//   splits doubling while the grid is under one CTA an SM (Qwen3-8B: o_proj and down 128 x 2,
+//   qkv 192 x 1, gate_up 768 x 1; DFlash 2's proj2 40 x 4): the best plan of the H100 sweep at
+//   1 and 8 rows on every shape, or within 2% of it (NOTES, session 28).
+// - t > 8 (only with DFLASH_OPS_SKINNY_PLAN, which replaces this): MT 2 / 1 by the old rule.
 struct SkinnyPlan {
   int mt, kg, u, splits;
   int64_t tiles;
 };
-SkinnyPlan skinny_plan(int64_t n, int64_t steps, int sms) {
+SkinnyPlan skinny_plan(int64_t n, int64_t steps, int sms, int t) {
   SkinnyPlan plan{};
+  if (t <= kSkinnyRows) {  // the H100 sweep's winner at 1 and 8 rows on all 5 shapes (NOTES)
+    const int64_t tiles = (n + 31) / 32;
+    int splits = 1;
+    while (splits < kSplits && tiles * splits < sms && steps >= 8 * splits) splits *= 2;
+    return SkinnyPlan{1, 4, 2, splits, tiles};
+  }
   for (int mt : {2, 1}) {
     const int64_t tiles = (n + 128 * mt - 1) / (128 * mt);
     int splits = 1;
@@ -1239,7 +1248,7 @@ bool run_skinny(const at::Tensor& x, const at::Tensor& w, const std::optional<at
   int dev = 0, sms = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  const SkinnyPlan plan = forced_skinny_plan(n, skinny_plan(n, g.chunks, sms));
+  const SkinnyPlan plan = forced_skinny_plan(n, skinny_plan(n, g.chunks, sms, g.t));
   g.splits = plan.splits;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
   return x.scalar_type() == at::kBFloat16 ? launch_skinny_plan<BF16>(g, plan, stream)
@@ -1252,7 +1261,11 @@ at::Tensor kv_proj(const at::Tensor& x, const at::Tensor& w_kv,
                    const std::optional<at::Tensor>& bias) {
   check_proj("kv_proj", x, w_kv, bias);
   const c10::cuda::CUDAGuard guard(x.device());
-  if (split_k_operands(x, w_kv, bias)) {  // 1-32 rows on sm_90: skinny_kernel
+  // 1-8 rows on sm_90 (1-32 with DFLASH_OPS_SKINNY_PLAN set): skinny_kernel; above 8 rows it
+  // lost to cuBLAS on the H100 at every plan measured at 32 rows (NOTES, session 28)
+  const char* plan_env = std::getenv("DFLASH_OPS_SKINNY_PLAN");
+  const bool forced = plan_env != nullptr && plan_env[0] != '\0';
+  if ((x.size(0) <= kSkinnyRows || forced) && split_k_operands(x, w_kv, bias)) {
     at::Tensor out = at::empty({x.size(0), w_kv.size(0)}, x.options());
     if (run_skinny(x, w_kv, bias, out)) return out;
   }

@@ -50,23 +50,27 @@ def test_kv_proj(shape, dtype, backend):
     interp.check_kv_proj(DEV, (dtype,), shapes=(shape,), backend=backend)
 
 
-# kv_proj's CUDA skinny kernel (1-32 rows, H % 64 == 0, sm_90; csrc/context.cu skinny_plan):
-# o_proj (128-row CTAs, 8 splits), gate_up (256 rows, 4 splits), down, DFlash 2's proj2, N
-# tails (1000, 777, 33000), 2 steps (no split), 10 steps over 2 splits, 1 / 9 / 16 / 24 / 32 rows
-# (32 rows of gate_up: 256-row CTAs with four column tiles)
-SKINNY_SHAPES = [(1, 4096, 4096), (16, 4096, 24576), (32, 12288, 4096), (9, 5120, 1280),
-                 (3, 128, 1000), (24, 640, 777), (2, 1024, 33000), (32, 4096, 24576)]
+# kv_proj's CUDA skinny kernel (1-8 rows by default, H % 64 == 0, sm_90; csrc/context.cu
+# skinny_plan: 32-row CTAs, two steps in flight): o_proj (2 splits), gate_up (1), down, DFlash
+# 2's proj2 (4 splits), N tails (1000, 777, 33000), 2 steps, 10 steps; 1 to 8 rows
+SKINNY_SHAPES = [(1, 4096, 4096), (8, 4096, 24576), (7, 12288, 4096), (8, 5120, 1280),
+                 (3, 128, 1000), (5, 640, 777), (2, 1024, 33000), (4, 4096, 24576)]
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16])
 @pytest.mark.parametrize("shape", SKINNY_SHAPES, ids=lambda s: "T{}_H{}_N{}".format(*s))
 def test_kv_proj_skinny(shape, dtype):
-    """The CUDA kv_proj takes its skinny kernel at these shapes (x a column slice of a wider
-    buffer, with and without bias), within the tolerance rule of the torch reference."""
+    """The CUDA kv_proj takes its skinny kernel at these shapes with its default plan (x a
+    column slice of a wider buffer, with and without bias), within the tolerance rule of the
+    torch reference; at 9 rows it runs cuBLAS."""
     _need("kv_proj", "cuda")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         interp.check_kv_proj(DEV, (dtype,), shapes=(shape,), backend="cuda")
-    assert any("skinny_kernel" in e.key for e in prof.key_averages()), "the skinny kernel did not run"
+    names = {e.key for e in prof.key_averages() if "skinny_kernel" in e.key}
+    assert any(re.search(r"skinny_kernel<[^<>]*\b1, 1, 4, 2>", k) for k in names), names
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        interp.check_kv_proj(DEV, (dtype,), shapes=((9,) + shape[1:],), backend="cuda")
+    assert not any("skinny_kernel" in e.key for e in prof.key_averages()), "9 rows: cuBLAS"
 
 
 # DFLASH_OPS_SKINNY_PLAN (MT, KG, SPLITS, U): every kernel instance the variable can force,
@@ -181,12 +185,13 @@ FUSED_CASES = [
 @pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"T{c[0]}_H{c[1]}_{c[9]}")
 @pytest.mark.parametrize("switch", ["on", "off"])
 def test_context_kv_fused_path(case, switch, monkeypatch):
-    """The CUDA op takes its fused kernel exactly where its conditions hold (and not with
-    DFLASH_OPS_CONTEXT_FUSED=0), and either path matches the reference."""
+    """With DFLASH_OPS_CONTEXT_FUSED=1 the CUDA op takes its fused kernel exactly where its
+    conditions hold (off by default: it lost to the split path on the H100), and either path
+    matches the reference."""
     _need("context_kv_", "cuda")
     t, h, n_layers, hkv, r, neox, layout, bias, hn, dtype, fused = case
-    if switch == "off":
-        monkeypatch.setenv("DFLASH_OPS_CONTEXT_FUSED", "0")
+    if switch == "on":
+        monkeypatch.setenv("DFLASH_OPS_CONTEXT_FUSED", "1")
     gen = torch.Generator().manual_seed(t * 7 + h)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         interp.run_context_case(DEV, dtype, t, h, n_layers, hkv, 128, r, neox, layout, bias, hn,

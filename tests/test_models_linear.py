@@ -141,7 +141,7 @@ def test_triton_path_matches_f_linear_gpu(monkeypatch, m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 16, 32])
+@pytest.mark.parametrize("m", [1, 5, 8])
 def test_cuda_entry_runs_the_skinny_kernel_gpu(monkeypatch, m):
     """A CUDA_CFG entry: models.linear runs the C++ kv_proj's skinny kernel, eager and under
     graph replay, and matches F.linear."""

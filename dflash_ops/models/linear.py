@@ -59,7 +59,7 @@ EXACT_MIN_PROGRAMS = 256  # ~2 a SM on the H200's 132
 EXACT_MIN_SLICE_STEPS = 4  # BLOCK_K steps a slice at least
 
 CUDA_CFG = ("cuda",)  # a table entry for the C++ kv_proj (its skinny kernel)
-SKINNY_MAX_ROWS = 32  # the skinny kernel's rows (csrc/context.cu kFusedTokens)
+SKINNY_MAX_ROWS = 8  # kv_proj's skinny kernel's rows by default (csrc/context.cu kSkinnyRows)
 
 # (N, K) -> {m_bucket: ProjCfg fields (bm, bn, bk, gm, warps, stages, tma, persistent[, split[,
 # serial]])}
