@@ -133,13 +133,9 @@ def precompute_split(by: dict, b: int, s: int) -> Optional[dict]:
     iteration), from one profile of each: the non-GEMM kernels found in one profile and not
     the other (stock: vLLM's rms_norm, rotary, copies; plugin: dflash_ops' context_kv_
     kernels), plus the difference in ``reshape_and_cache`` (the drafter's cache writes share
-    that kernel with the target's). Where the plugin's kernel also does the GEMM (context_kv_'s
-    fused path at few tokens), the GEMM time stock spends and the plugin does not (the
-    difference of the GEMM totals, the target's GEMMs being the same on both sides) is taken
-    off the plugin's side, so either side counts what it adds over the precompute's GEMM
-    (the plugin's side may then be negative: a fused kernel faster than cuBLAS's GEMM alone).
-    Otherwise both sides run the same cuBLAS call and the GEMM is left out (a one-off GEMM
-    name in one profile is cuBLAS choosing another algorithm). None without both profiles."""
+    that kernel with the target's). The GEMM is left out: both sides run the same cuBLAS call
+    (a one-off GEMM name in one profile is cuBLAS choosing another algorithm, not a replaced
+    part). None without both profiles."""
     st = (by.get(("stock", b, s)) or {}).get("kernels_us_per_iter")
     pl = (by.get(("plugin", b, s)) or {}).get("kernels_us_per_iter")
     if not st or not pl:
@@ -151,15 +147,9 @@ def precompute_split(by: dict, b: int, s: int) -> Optional[dict]:
     def cache(a):
         return sum(v for k, v in a.items() if "reshape_and_cache" in k)
 
-    def gemm(a):
-        return sum(v for k, v in a.items() if part_of(k) == "gemm")
-
     d = cache(st) - cache(pl)
     stock, plugin = only(st, pl) + max(d, 0.0), only(pl, st) + max(-d, 0.0)
-    fused = any("context_fused_kernel" in k for k in pl)
-    gemm_saved = gemm(st) - gemm(pl) if fused else 0.0
-    plugin -= gemm_saved
-    return {"stock": stock, "plugin": plugin, "gemm_in_plugin_kernel": gemm_saved,
+    return {"stock": stock, "plugin": plugin,
             "removed": 1 - plugin / stock if stock > 0 else None}
 
 
@@ -451,14 +441,11 @@ def table(args) -> int:
         if pre:
             lines += ["", "the precompute's replaced kernels, us an iteration (non-GEMM kernels "
                       "in one profile only, plus the drafter's share of reshape_and_cache; the "
-                      "GEMM left out: where the plugin's kernel does the GEMM too, the GEMM time "
-                      "stock spends and the plugin does not is taken off the plugin's side)", "",
-                      "| B x S | stock | plugin | GEMM inside the plugin's kernel | removed |",
-                      "|---|---|---|---|---|"]
+                      "GEMM, the same cuBLAS call on both sides, left out)", "",
+                      "| B x S | stock | plugin | removed |", "|---|---|---|---|"]
             for (b, s), v in pre.items():
                 rem = "-" if v["removed"] is None else f"{100 * v['removed']:.0f}%"
-                lines.append(f"| {b} x {s} | {v['stock']:.1f} | {v['plugin']:.1f} | "
-                             f"{v['gemm_in_plugin_kernel']:.1f} | {rem} |")
+                lines.append(f"| {b} x {s} | {v['stock']:.1f} | {v['plugin']:.1f} | {rem} |")
     text = "\n".join(lines)
     print(text)
     if args.md:

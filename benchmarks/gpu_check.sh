@@ -4,10 +4,10 @@
 # more are packed into $OUT/all.tgz at the end).
 # Usage: bash benchmarks/gpu_check.sh [build|fused|tests|sanitize|ncu|ncu-cases|vllm|vllm-counter|vllm-bench|dflash2|policy|bench|ctx|attn|linear|pdl-probe|ctx-probe|exact-probe|drafter|e2e|models|compare|profile|cmake|all]
 #   all:     tests + bench + ctx; build: install, info and check only
-#   fused:   the cluster kernels of session 27 (context_kv_'s fused path, kv_proj's skinny
-#            kernel): their GPU tests (context kernels: cuda and fused_path; models.linear),
-#            ctx_probe (PDL on), then, where .vllm is carried, vLLM stock vs plugin at 1 and 8 x
-#            1k with the profile (FUSED_VLLM=0 skips it); each step under its own timeout
+#   fused:   kv_proj's skinny cluster kernel: the GPU tests of the context kernels (-k cuda)
+#            and models.linear, ctx_probe (PDL on), then, where .vllm is carried, vLLM stock vs
+#            plugin at 1 and 8 x 1k with the profile (FUSED_VLLM=0 skips it); each step under
+#            its own timeout
 #   tests:   pytest -m gpu over SHARDS processes; TEST_FILES="tests/a.py tests/b.py" for a subset
 #   sanitize: the hostile-value GPU tests (tests/test_hostile_inputs.py,
 #            tests/test_out_of_range_inputs.py) and the DFlash 2 kernels' (SAN_FILES to change)
@@ -246,7 +246,7 @@ if [ "$what" = dflash2 ]; then  # DFlash 2's ops against their floors (bench_dfl
 fi
 if [ "$what" = fused ]; then  # session 27's cluster kernels: tests, probe, vLLM 1k
   timeout "${FUSED_TEST_TIMEOUT:-200}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
-    tests/test_context_kernels.py tests/test_models_linear.py -k "cuda or fused_path or skinny" \
+    tests/test_context_kernels.py tests/test_models_linear.py -k "cuda or skinny" \
     >"$OUT/pytest_fused.log" 2>&1
   r=$?; [ $r -ne 0 ] && rc=$r
   echo "fused tests (rc $r): $(tail -1 "$OUT/pytest_fused.log") [$(( $(date +%s) - t0 )) s]"

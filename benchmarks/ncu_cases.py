@@ -26,15 +26,12 @@ Cases (H200 shapes; bf16):
                   w_kv[10240, 4096], 5 layers x 8 KV heads x D 128, paged caches): the vLLM
                   plugin's precompute at batch 8 (cuBLAS GEMM + the fused epilogue, ~4.5 us a
                   call in session 22's vLLM profile)
-  ctxrms_t1       the same at 1 token (the plugin's decode call at batch 1); at 1-32 tokens
-                  on sm_90 both take the fused kernel (context_fused_kernel: GEMM + epilogue in
-                  one launch, session 27), so these profile it
-  ctxrms_t32      the same at 32 tokens (the fused kernel's 4-column tiles, 2 CTAs an SM)
-  skinny_o        the skinny CUDA GEMM (kv_proj's C++ path at 1-32 rows, session 27):
+  ctxrms_t1       the same at 1 token (the plugin's decode call at batch 1)
+  ctxrms_t32      the same at 32 tokens
+  skinny_o        the skinny CUDA GEMM (kv_proj's C++ path at 1-8 rows):
                   x[1, 4096] w[4096, 4096], the target's o_proj at batch 1 (vs o_cublas)
   skinny_qkv      the same, x[1, 4096] w[6144, 4096] (qkv at batch 1)
-  skinny_proj2    the same, x[8, 5120] w[1280, 5120] (vs proj_linear: 80 CTAs, the plan's
-                  loser)
+  skinny_proj2    the same, x[8, 5120] w[1280, 5120] (vs proj_linear)
   topk_b1         row_topk, CUDA, z[7, 248320] k 16 (DFlash 2's selector input at batch 1)
   select_b1       select_candidates, CUDA, R 1, J 7, k 16, rank 256
 """

@@ -1,5 +1,5 @@
 """Per-shape sweep: cuBLAS ``F.linear`` vs our Triton skinny GEMM (kv_proj's kernel) and, at M <=
-32, the C++ kv_proj's skinny kernel (split-K over a thread-block cluster, sm_90) on the linear
+8, the C++ kv_proj's skinny kernel (split-K over a thread-block cluster, sm_90) on the linear
 layers of a Qwen3-8B target and its DFlash drafter (bf16, H200), for the table of
 ``dflash_ops/models/linear.py``.
 
@@ -13,7 +13,7 @@ so each call streams its weight from HBM as in a model; a wrong or failing confi
 never chosen), exact mode's launch (``models.linear.exact_config``) with and without its
 split, and the fastest launch of exact mode's family (``exact_compatible``: same split, wgmma
 tiles), each checked bit for bit against exact mode's default launch before it is timed.
-At M <= 32 the skinny kernel also runs under each plan of ``skinny_plans`` (forced with
+At M <= 8 the skinny kernel also runs under each plan of ``skinny_plans`` (forced with
 DFLASH_OPS_SKINNY_PLAN; --no-plans skips them), each checked before it is timed.
 Prints the best few per (shape, M) with their ratio to cuBLAS and to the floor (max of bytes /
 copy bandwidth and FLOPs / GEMM rate, measured in the same run); writes every measurement to
@@ -222,7 +222,7 @@ def main():
                                                     f"{str(ex)[:80]}"))
             rows.sort(key=lambda r: r[0])
             best_us, best = rows[0][0], rows[0][1]
-            # the C++ kv_proj at M <= 32: its skinny kernel (split-K over a cluster, sm_90)
+            # the C++ kv_proj at M <= 8: its skinny kernel (split-K over a cluster, sm_90)
             skinny = {}
             if m <= L.SKINNY_MAX_ROWS and has_cuda:
                 try:

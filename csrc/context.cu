@@ -316,38 +316,17 @@ __global__ void __launch_bounds__(kBlock, V > 1 ? (XRMS ? 4 : 5) : 1)
 }
 
 // ---------------------------------------------------------------------------------------------
-// The fused path (sm_90, decode-sized calls: 1 <= T <= kFusedTokens, D = 128, bf16, or fp16
-// without hidden_rms): the GEMM and the epilogue in one launch, no kv[T, N] in memory.
-//
-// A cluster of kSplits CTAs a (layer, head): the 2D rows of w_kv that make the head's K and V
-// (w_kv row layer * 2 Hkv D + {0, Hkv D} + head D + d), H cut into kSplits slices of whole
-// kChunk steps, one a CTA. Warp w holds 32 rows (two m16 tiles: warps 0-3 the K rows, 4-7 the V
-// rows) and runs mma.sync m16n8k16 with the weight as A and the tokens as B's 8-wide columns
-// (NT column tiles, T <= 8 NT). A lane loads its A rows straight from global memory, 16
-// contiguous elements a row a step (two 16-byte loads; no shared-memory staging): the sum over
-// k does not care which k a fragment slot holds, so fragment slot (2c, 2c+1, 2c+8, 2c+9) of mma
-// j holds elements 16c + 4j + (0..3) of the step, and B's slots the same elements of x (one
-// 8-byte load a lane). Each CTA leaves its fp32 partial tile [token][row] in shared memory;
-// after a cluster barrier rank r sums a slice of the tile over the kSplits CTAs (distributed
-// shared memory, ranks in order: deterministic) into rank 0's tile; after a second barrier
-// rank 0 runs the epilogue of the XRMS kernel on its tile: T(acc + bias) (or, hidden_rms,
-// T(T(acc) * rstd_t + bias) with rstd_t from the sums of squares of x that the CTAs took of
-// their B fragments), K norm, RoPE, the paged stores.
-constexpr int kFusedTokens = 32;
+// The cluster GEMM of kv_proj's skinny path (sm_90, 1 <= T <= kSkinnyMaxTokens): a cluster of
+// CTAs cuts H; a lane loads its A rows (the weight) straight from global memory, 16 contiguous
+// elements a row a step (two 16-byte loads; no shared-memory staging), and runs mma.sync
+// m16n8k16 with the tokens as B's 8-wide columns; the partial tiles meet through distributed
+// shared memory, ranks in order (deterministic). (A fused context_kv_ kernel on this loop, GEMM
+// and epilogue in one launch, lost to cuBLAS + the epilogue kernel on the H100 at 1-32 tokens
+// and was deleted: NOTES, session 28.)
+constexpr int kSkinnyMaxTokens = 32;  // with DFLASH_OPS_SKINNY_PLAN forcing a plan
 constexpr int kSplits = 8;  // CTAs a cluster (portable cluster size)
 constexpr int kSkinnyRows = 8;  // kv_proj's skinny path by default (see kv_proj)
 constexpr int kChunk = 64;  // H elements a main-loop step
-constexpr int kFusedD = 128;
-
-struct FusedGemm {
-  const void* w;  // w_kv [N, H]: unit column stride, row stride w_st (elements, % 8 == 0)
-  int64_t w_st;
-  const void* x;  // x [T, H]: unit column stride, row stride x_st (% 8 == 0 when T > 1)
-  int64_t x_st;
-  int t;          // tokens, 1..kFusedTokens
-  int chunks;     // H / kChunk
-  int hkv;
-};
 
 // A 16-byte weight load that skips L1 (each weight byte is read once).
 __device__ __forceinline__ uint4 ld_stream16(const void* ptr) {
@@ -401,16 +380,6 @@ __device__ __forceinline__ float4 ld_cluster4(uint32_t addr) {
                : "memory");
   return v;
 }
-__device__ __forceinline__ float ld_cluster(uint32_t addr) {
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_cluster4(uint32_t addr, float4 v) {
-  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(v.x),
-               "f"(v.y), "f"(v.z), "f"(v.w)
-               : "memory");
-}
 // The float4 at addr (this CTA's shared memory) summed over CTAs 0 .. ranks - 1 of the
 // cluster, in rank order (the same sum on every call: deterministic).
 __device__ __forceinline__ float4 cluster_sum4(uint32_t addr, int ranks) {
@@ -425,17 +394,6 @@ __device__ __forceinline__ float4 cluster_sum4(uint32_t addr, int ranks) {
   return s;
 }
 #endif
-
-// The sum of squares of the four elements in b.
-template <class E>
-__device__ __forceinline__ float sq4(uint2 b) {
-  using Bits = typename E::Bits;
-  const float f0 = E::to_float(static_cast<Bits>(b.x & 0xffffu));
-  const float f1 = E::to_float(static_cast<Bits>(b.x >> 16));
-  const float f2 = E::to_float(static_cast<Bits>(b.y & 0xffffu));
-  const float f3 = E::to_float(static_cast<Bits>(b.y >> 16));
-  return fmaf(f3, f3, fmaf(f2, f2, fmaf(f1, f1, f0 * f0)));
-}
 
 // One 64-element step's A fragments of a warp's MT m16 tiles: the lane's rows g and g + 8 of
 // each tile at its 16 elements of step c (w: the lane's first row at its elements; a row at or
@@ -463,12 +421,10 @@ __device__ __forceinline__ void load_a_step(uint4 (&a)[MT][2][2], const typename
 }
 
 // acc += step c's A fragments times the tokens' x (xb: x at the lane's 16 elements; tokens >= t
-// read as zero); with ssq_on, ssq[nt] += the squares of the x elements the lane's B fragments
-// held (token nt * 8 + g, a quarter of the step).
+// read as zero).
 template <class E, int MT, int NT>
 __device__ __forceinline__ void mma_step(const uint4 (&a)[MT][2][2], const typename E::Bits* xb,
-                                         int64_t x_st, int t, int c, bool ssq_on,
-                                         float (&acc)[MT][NT][4], float (&ssq)[NT]) {
+                                         int64_t x_st, int t, int c, float (&acc)[MT][NT][4]) {
   constexpr bool kBF = std::is_same<E, BF16>::value;
   const int gq = static_cast<int>(threadIdx.x & 31) >> 2;
   const int64_t k0 = int64_t(c) * kChunk;
@@ -492,19 +448,14 @@ __device__ __forceinline__ void mma_step(const uint4 (&a)[MT][2][2], const typen
                           odd ? hi.w : hi.y, b[nt]);
       }
     }
-    if (ssq_on) {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) ssq[nt] += sq4<E>(b[nt]);
-    }
   }
 }
 
-// The split-K main loop of the cluster GEMMs (context_fused_kernel, skinny_kernel): acc (zeroed
+// The split-K main loop of the cluster GEMM (skinny_kernel): acc (zeroed
 // here) = this warp's MT m16 tiles of weight rows times the tokens' x rows over the 64-element
 // steps [c_lo, c_hi). w: the lane's first row (the warp's row g) at its 16 elements (+ 16 c);
 // a row at or past rows_left (counted from the warp's first row) reads as zero. xb: x at the
-// lane's 16 elements (+ 16 c); tokens >= t read as zero. With ssq_on, ssq[nt] sums the squares
-// of the x elements the lane's B fragments held (token nt * 8 + g, a quarter of each step).
+// lane's 16 elements (+ 16 c); tokens >= t read as zero.
 // A sum over k doesn't care which k a fragment slot holds: slot (2c, 2c + 1, 2c + 8, 2c + 9) of
 // mma j holds elements 16c + 4j + 0..3. U: steps whose loads are issued before the first of
 // their mma's (U = 2: two round trips' bytes in flight a warp, 16 MT more registers).
@@ -512,12 +463,10 @@ template <class E, int MT, int NT, int U = 1>
 __device__ __forceinline__ void split_k_steps(const typename E::Bits* w, int64_t w_st,
                                               int rows_left, const typename E::Bits* xb,
                                               int64_t x_st, int t, int c_lo, int c_hi,
-                                              bool ssq_on, float (&acc)[MT][NT][4],
-                                              float (&ssq)[NT]) {
+                                              float (&acc)[MT][NT][4]) {
   static_assert(U == 1 || U == 2, "one or two steps in flight");
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
-    ssq[nt] = 0.f;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -529,14 +478,14 @@ __device__ __forceinline__ void split_k_steps(const typename E::Bits* w, int64_t
       uint4 a0[MT][2][2], a1[MT][2][2];  // [m tile][row g, g + 8][elements 0-7, 8-15]
       load_a_step<E, MT>(a0, w, w_st, rows_left, c);
       load_a_step<E, MT>(a1, w, w_st, rows_left, c + 1);
-      mma_step<E, MT, NT>(a0, xb, x_st, t, c, ssq_on, acc, ssq);
-      mma_step<E, MT, NT>(a1, xb, x_st, t, c + 1, ssq_on, acc, ssq);
+      mma_step<E, MT, NT>(a0, xb, x_st, t, c, acc);
+      mma_step<E, MT, NT>(a1, xb, x_st, t, c + 1, acc);
     }
   }
   for (; c < c_hi; ++c) {
     uint4 a[MT][2][2];
     load_a_step<E, MT>(a, w, w_st, rows_left, c);
-    mma_step<E, MT, NT>(a, xb, x_st, t, c, ssq_on, acc, ssq);
+    mma_step<E, MT, NT>(a, xb, x_st, t, c, acc);
   }
 }
 
@@ -559,136 +508,8 @@ __device__ __forceinline__ void store_partial(float* part_s, int row0,
   }
 }
 
-// Registers: NT = 1 is held to 80 (3 CTAs an SM: the grid of 40 clusters of the Qwen3-8B
-// drafter is then one wave), NT = 4 to 128 (2 CTAs an SM).
-template <class E, int NT, bool NEOX, bool XRMS>
-__global__ void __launch_bounds__(kBlock, NT == 1 ? 3 : 2)
-    context_fused_kernel(const __grid_constant__ ContextParams<8> p,
-                         const __grid_constant__ FusedGemm g) {
-  pdl_wait();  // x comes from the grid before
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using Bits = typename E::Bits;
-  constexpr int D = kFusedD, MT = 2, NTOK = 8 * NT;
-  constexpr int PR = 2 * D + 4;          // a token's row of the partial tile (+4: bank spread)
-  constexpr int V = 16 / static_cast<int>(sizeof(Bits));
-  constexpr int TPR = D / (2 * V);       // epilogue lanes a token
-  static_assert(kBlock / TPR >= kFusedTokens, "one epilogue pass covers every token");
-  __shared__ __align__(16) float part_s[NTOK * PR];
-  __shared__ float ss_s[NTOK];
-
-  const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
-  const int gq = lane >> 2, cq = lane & 3;
-  const uint32_t rank = cluster_rank();
-  const int tile = static_cast<int>(blockIdx.x) / kSplits;
-  const int layer = tile / g.hkv, head = tile - layer * g.hkv;
-  const int row0 = (warp >> 2) * D + (warp & 3) * 16 * MT;  // the warp's first row of the tile
-  const Bits* const w =
-      static_cast<const Bits*>(g.w) +
-      (int64_t(layer) * p.s_layer + (warp >> 2) * p.s_v + int64_t(head) * D + (warp & 3) * 16 * MT +
-       gq) * g.w_st + cq * 16;
-  const Bits* const xb = static_cast<const Bits*>(g.x) + cq * 16;
-  const int c_lo = static_cast<int>(rank) * g.chunks / kSplits;
-  const int c_hi = (static_cast<int>(rank) + 1) * g.chunks / kSplits;
-
-  float acc[MT][NT][4];
-  float ssq[NT];
-  split_k_steps<E, MT, NT>(w, g.w_st, 2 * D, xb, g.x_st, g.t, c_lo, c_hi, XRMS && warp == 0,
-                           acc, ssq);
-  store_partial<MT, NT, PR>(part_s, row0, acc);
-  if constexpr (XRMS) {  // warp 0's sums over the slice's x
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      float s = ssq[nt];
-      s += __shfl_xor_sync(0xffffffffu, s, 1);
-      s += __shfl_xor_sync(0xffffffffu, s, 2);
-      if (warp == 0 && cq == 0) ss_s[nt * 8 + gq] = s;
-    }
-  }
-  // rank 0's epilogue lanes: the token's position and slot, on their way across the barriers
-  const int t = static_cast<int>(threadIdx.x) / TPR, tl = static_cast<int>(threadIdx.x) % TPR;
-  const bool valid = t < g.t;
-  int64_t pos = -1, slot = -1;
-  if (rank == 0 && valid) {
-    pos = __ldg(p.pos + int64_t(t) * p.pos_stride);
-    slot = __ldg(p.slots + int64_t(t) * p.slot_stride);
-  }
-  cluster_sync();  // 1: every CTA's partial tile is in its shared memory
-
-  {  // rank r: its slice of the valid tokens' rows, summed over the cluster into rank 0
-    constexpr int kRowVecs = 2 * D / 4;  // float4s of a token's rows (the padding left out)
-    const int nvec = g.t * kRowVecs;
-    const int per = (nvec + kSplits - 1) / kSplits;
-    const int v_lo = static_cast<int>(rank) * per, v_hi = min(nvec, v_lo + per);
-    const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(part_s));
-    for (int i = v_lo + static_cast<int>(threadIdx.x); i < v_hi; i += kBlock) {
-      const int tok = i / kRowVecs;
-      const uint32_t addr = base + 4u * static_cast<uint32_t>(tok * PR + (i - tok * kRowVecs) * 4);
-      st_cluster4(cluster_map(addr, 0), cluster_sum4(addr, kSplits));
-    }
-    if (XRMS && rank == 0 && static_cast<int>(threadIdx.x) < g.t) {
-      const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(ss_s + threadIdx.x));
-      float s = ss_s[threadIdx.x];
-      for (int q = 1; q < kSplits; ++q) s += ld_cluster(cluster_map(addr, q));
-      ss_s[threadIdx.x] = s;
-    }
-  }
-  cluster_sync();  // 2: rank 0 holds the sums; the others' shared memory is no longer read
-  if (rank != 0) return;
-
-  // The epilogue: TPR lanes a token (one pass: T <= kBlock / TPR), the XRMS kernel's units.
-  const LaneUnits<V, 1, NEOX> lu(p.rope, tl, TPR, valid, /*whole_row=*/true);
-  const Bits* const bias = static_cast<const Bits*>(p.bias);
-  const int64_t b_off = int64_t(layer) * p.s_layer + int64_t(head) * p.s_head;
-  Unit<Bits, V> k[1], v[1];
-  if (lu.act[0]) {
-    const float* const kr = part_s + t * PR;
-    Unit<Bits, V> bk, bv;
-    if (!XRMS && bias != nullptr) {  // the bias joins the fp32 sum (addmm's single rounding)
-      bk.a = load_weight<Bits, V>(bias + b_off + lu.off_a[0]);
-      bk.b = load_weight<Bits, V>(bias + b_off + lu.off_b[0]);
-      bv.a = load_weight<Bits, V>(bias + b_off + p.s_v + lu.off_a[0]);
-      bv.b = load_weight<Bits, V>(bias + b_off + p.s_v + lu.off_b[0]);
-    }
-    float ka[V], kb[V], va[V], vb[V];  // the row's units as float4s (rows on 16-byte lines)
-#pragma unroll
-    for (int q = 0; q < V; q += 4) {
-      *reinterpret_cast<float4*>(ka + q) = *reinterpret_cast<const float4*>(kr + lu.off_a[0] + q);
-      *reinterpret_cast<float4*>(kb + q) = *reinterpret_cast<const float4*>(kr + lu.off_b[0] + q);
-      *reinterpret_cast<float4*>(va + q) =
-          *reinterpret_cast<const float4*>(kr + D + lu.off_a[0] + q);
-      *reinterpret_cast<float4*>(vb + q) =
-          *reinterpret_cast<const float4*>(kr + D + lu.off_b[0] + q);
-    }
-#pragma unroll
-    for (int e = 0; e < V; ++e) {
-      float fk_a = ka[e], fk_b = kb[e], fv_a = va[e], fv_b = vb[e];
-      if (!XRMS && bias != nullptr) {
-        fk_a += E::to_float(bk.a.e[e]);
-        fk_b += E::to_float(bk.b.e[e]);
-        fv_a += E::to_float(bv.a.e[e]);
-        fv_b += E::to_float(bv.b.e[e]);
-      }
-      k[0].a.e[e] = E::from_float(fk_a);
-      k[0].b.e[e] = E::from_float(fk_b);
-      v[0].a.e[e] = E::from_float(fv_a);
-      v[0].b.e[e] = E::from_float(fv_b);
-    }
-  } else {
-    k[0].a.raw = k[0].b.raw = v[0].a.raw = v[0].b.raw = typename Pack<Bits, V>::Raw{};
-  }
-  if constexpr (XRMS) {
-    const float r = valid ? rsqrtf(ss_s[t] * p.inv_h + p.rope.eps) : 0.f;
-    scale_units<E>(lu, r, bias == nullptr ? nullptr : bias + b_off, k);
-    scale_units<E>(lu, r, bias == nullptr ? nullptr : bias + b_off + p.s_v, v);
-  }
-  norm_units<E>(p.rope, lu, static_cast<const Bits*>(p.w) + int64_t(layer) * p.w_row, 1, TPR, k);
-  if (!valid || slot < 0 || slot >= p.n_slots) return;
-  store_head_row<E>(p, layer, static_cast<uint32_t>(head), slot, pos, lu, k, v);
-#endif
-}
-
 // ---------------------------------------------------------------------------------------------
-// kv_proj's skinny path (sm_90, 1 <= T <= kFusedTokens, bf16 / fp16, H a multiple of 64): the
+// kv_proj's skinny path (sm_90, 1 <= T <= kSkinnyMaxTokens, bf16 / fp16, H a multiple of 64): the
 // fused kernel's GEMM without its epilogue, for any N. A CTA holds 128 MT / KG rows of w (8
 // warps of MT m16 tiles; KG warps a row group split the CTA's part of H), a cluster of `splits`
 // CTAs (1-8) cuts H (the plan: skinny_plan, or DFLASH_OPS_SKINNY_PLAN); after a
@@ -748,9 +569,7 @@ __global__ void __launch_bounds__(kBlock, skinny_min_blocks(MT, NT, U))
   const int k_hi = KG == 1 ? c_hi : c_lo + (kg + 1) * (c_hi - c_lo) / KG;
 
   float acc[MT][NT][4];
-  float ssq[NT];
-  split_k_steps<E, MT, NT, U>(w, g.w_st, rows_left, xb, g.x_st, g.t, k_lo, k_hi, false, acc,
-                              ssq);
+  split_k_steps<E, MT, NT, U>(w, g.w_st, rows_left, xb, g.x_st, g.t, k_lo, k_hi, acc);
   store_partial<MT, NT, PR>(part_s + kg * NTOK * PR, row0, acc);
   const int nvec = g.t * kRowVecs;
   if constexpr (KG > 1) {  // the row groups' K parts into part 0, in warp order
@@ -1023,34 +842,16 @@ void run_epilogue(const at::Tensor& kv, const at::Tensor& k_weight, const at::Te
 }
 
 // The split-K GEMM kernels' operands (skinny_kernel, context_fused_kernel's GEMM): x [T, H] @
-// w [N, H]^T (+ bias) with 1 <= T <= kFusedTokens, bf16 / fp16, H a multiple of 64, rows of x
+// w [N, H]^T (+ bias) with 1 <= T <= kSkinnyMaxTokens, bf16 / fp16, H a multiple of 64, rows of x
 // and w on 16-byte boundaries with unit column stride, a bias with unit stride; sm_90 code.
 bool split_k_operands(const at::Tensor& x, const at::Tensor& w,
                       const std::optional<at::Tensor>& bias) {
   const int64_t t = x.size(0), h = x.size(1);
-  if (t < 1 || t > kFusedTokens || h <= 0 || h % kChunk != 0 || w.size(0) < 1) return false;
+  if (t < 1 || t > kSkinnyMaxTokens || h <= 0 || h % kChunk != 0 || w.size(0) < 1) return false;
   if (x.scalar_type() != at::kBFloat16 && x.scalar_type() != at::kHalf) return false;
   if (x.stride(1) != 1 || !aligned16(x.data_ptr()) || (t > 1 && x.stride(0) % 8 != 0)) return false;
   if (w.stride(1) != 1 || !aligned16(w.data_ptr()) || w.stride(0) % 8 != 0) return false;
   if (bias.has_value() && bias->stride(0) != 1) return false;
-  return sm90_code();
-}
-
-// The fused path's conditions (the block comment above context_fused_kernel) on the operands;
-// the caches and k_weight are fill_params's vector-path test. Off unless DFLASH_OPS_CONTEXT_FUSED
-// =1 (read at each call: the benchmarks' A/B of the two paths in one process): on the H100 it
-// ran 2-13 us slower than cuBLAS + the epilogue kernel at 1-32 tokens (NOTES, session 28).
-bool fused_operands(const at::Tensor& x, const at::Tensor& w_kv,
-                    const std::optional<at::Tensor>& bias,
-                    const std::optional<at::Tensor>& hidden_norm_weight, bool hidden_rms,
-                    at::TensorList k_caches) {
-  if (!split_k_operands(x, w_kv, bias)) return false;
-  if (hidden_rms && x.scalar_type() != at::kBFloat16) return false;  // fp16: the split path
-  if (hidden_norm_weight.has_value() || k_caches.size() > 8) return false;
-  if (k_caches[0].size(3) != kFusedD) return false;
-  if (bias.has_value() && !aligned16(bias->data_ptr())) return false;  // vector loads
-  const char* env = std::getenv("DFLASH_OPS_CONTEXT_FUSED");
-  if (env == nullptr || env[0] != '1' || env[1] != '\0') return false;
   return sm90_code();
 }
 
@@ -1101,89 +902,20 @@ bool launch_cluster(void (*kernel)(KArgs...), int cluster, int64_t grid, cudaStr
   return true;
 }
 
-template <class E, int NT, bool NEOX, bool XRMS>
-bool launch_fused(const ContextParams<8>& p, const FusedGemm& g, int64_t tiles,
-                  cudaStream_t stream) {
-  TORCH_CHECK(g.t >= 1 && g.t <= 8 * NT, "dflash.context_kv_: internal: ", g.t,
-              " tokens for a fused kernel of ", 8 * NT);
-  return launch_cluster(context_fused_kernel<E, NT, NEOX, XRMS>, kSplits, tiles * kSplits,
-                        stream, p, g);
-}
-
-template <class E, bool NEOX, bool XRMS>
-bool launch_fused_t(const ContextParams<8>& p, const FusedGemm& g, int64_t tiles,
-                    cudaStream_t stream) {
-  return g.t <= 8 ? launch_fused<E, 1, NEOX, XRMS>(p, g, tiles, stream)
-                  : launch_fused<E, 4, NEOX, XRMS>(p, g, tiles, stream);
-}
-
-// The fused path: returns false (nothing launched) where the caches or k_weight miss the
-// vector path's conditions, or the device cannot run the kernel's clusters.
-bool run_fused(const at::Tensor& x, const at::Tensor& w_kv, const std::optional<at::Tensor>& bias,
-               const at::Tensor& k_weight, const at::Tensor& positions,
-               const at::Tensor& cos_sin_cache, const at::Tensor& slot_mapping,
-               at::TensorList k_caches, at::TensorList v_caches, double eps, bool is_neox,
-               bool hidden_rms) {
-  const int64_t t = x.size(0), hkv = k_caches[0].size(2);
-  ContextParams<8> p{};
-  const at::Tensor x_rms = hidden_rms ? x : at::Tensor();
-  const at::Tensor b = bias.has_value() ? *bias : at::Tensor();
-  if (!fill_params(p, t, k_weight, positions, cos_sin_cache, slot_mapping, k_caches, v_caches,
-                   eps, is_neox, x_rms, b)) {
-    return false;
-  }
-  p.rope.units = static_cast<int>(kFusedD * x.element_size() / 32);  // D / (2 V)
-  FusedGemm g{};
-  g.w = w_kv.data_ptr();
-  g.w_st = w_kv.stride(0);
-  g.x = x.data_ptr();
-  g.x_st = t > 1 ? x.stride(0) : 0;
-  g.t = static_cast<int>(t);
-  g.chunks = static_cast<int>(x.size(1) / kChunk);
-  g.hkv = static_cast<int>(hkv);
-  const int64_t tiles = static_cast<int64_t>(k_caches.size()) * hkv;
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
-  const bool bf = x.scalar_type() == at::kBFloat16;
-  if (bf && hidden_rms) {
-    return is_neox ? launch_fused_t<BF16, true, true>(p, g, tiles, stream)
-                   : launch_fused_t<BF16, false, true>(p, g, tiles, stream);
-  }
-  if (bf) {
-    return is_neox ? launch_fused_t<BF16, true, false>(p, g, tiles, stream)
-                   : launch_fused_t<BF16, false, false>(p, g, tiles, stream);
-  }
-  return is_neox ? launch_fused_t<F16, true, false>(p, g, tiles, stream)
-                 : launch_fused_t<F16, false, false>(p, g, tiles, stream);
-}
-
-// The skinny kernel's launch for N rows, H / 64 = steps, t tokens: m tiles a warp (MT), warps a
-// row group (KG), steps in flight a warp (U) and CTAs a cluster (splits, at most 8: a portable
-// cluster), from the shape alone.
-// - t <= 8 (kv_proj's default range): 32-row CTAs (MT 1, KG 4) with two steps in flight (U 2),
-//   splits doubling while the grid is under one CTA an SM (Qwen3-8B: o_proj and down 128 x 2,
-//   qkv 192 x 1, gate_up 768 x 1; DFlash 2's proj2 40 x 4): the best plan of the H100 sweep at
-//   1 and 8 rows on every shape, or within 2% of it (NOTES, session 28).
-// - t > 8 (only with DFLASH_OPS_SKINNY_PLAN, which replaces this): MT 2 / 1 by the old rule.
+// The skinny kernel's launch for N rows, H / 64 = steps (kv_proj's 1-8 rows): 32-row CTAs (MT 1,
+// KG 4) with two steps in flight (U 2), splits doubling while the grid is under one CTA an SM
+// (Qwen3-8B: o_proj and down 128 x 2, qkv 192 x 1, gate_up 768 x 1; DFlash 2's proj2 40 x 4): the
+// best plan of the H100 sweep at 1 and 8 rows on every shape, or within 2% of it (NOTES, session
+// 28). DFLASH_OPS_SKINNY_PLAN replaces it (and takes 9-32 rows) for the sweep's other plans.
 struct SkinnyPlan {
   int mt, kg, u, splits;
   int64_t tiles;
 };
-SkinnyPlan skinny_plan(int64_t n, int64_t steps, int sms, int t) {
-  SkinnyPlan plan{};
-  if (t <= kSkinnyRows) {  // the H100 sweep's winner at 1 and 8 rows on all 5 shapes (NOTES)
-    const int64_t tiles = (n + 31) / 32;
-    int splits = 1;
-    while (splits < kSplits && tiles * splits < sms && steps >= 8 * splits) splits *= 2;
-    return SkinnyPlan{1, 4, 2, splits, tiles};
-  }
-  for (int mt : {2, 1}) {
-    const int64_t tiles = (n + 128 * mt - 1) / (128 * mt);
-    int splits = 1;
-    while (splits < kSplits && tiles * splits < 2 * sms && steps >= 8 * splits) splits *= 2;
-    plan = SkinnyPlan{mt, 1, 1, splits, tiles};
-    if (2 * tiles * splits >= 3 * sms) break;
-  }
-  return plan;
+SkinnyPlan skinny_plan(int64_t n, int64_t steps, int sms) {
+  const int64_t tiles = (n + 31) / 32;
+  int splits = 1;
+  while (splits < kSplits && tiles * splits < sms && steps >= 8 * splits) splits *= 2;
+  return SkinnyPlan{1, 4, 2, splits, tiles};
 }
 
 // DFLASH_OPS_SKINNY_PLAN="MT,KG,SPLITS,U" (read at each call; unset or empty: skinny_plan) forces
@@ -1248,7 +980,7 @@ bool run_skinny(const at::Tensor& x, const at::Tensor& w, const std::optional<at
   int dev = 0, sms = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  const SkinnyPlan plan = forced_skinny_plan(n, skinny_plan(n, g.chunks, sms, g.t));
+  const SkinnyPlan plan = forced_skinny_plan(n, skinny_plan(n, g.chunks, sms));
   g.splits = plan.splits;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
   return x.scalar_type() == at::kBFloat16 ? launch_skinny_plan<BF16>(g, plan, stream)
@@ -1285,11 +1017,6 @@ void context_kv_(const at::Tensor& x, const at::Tensor& w_kv,
   if (t == 0 || hkv == 0 || n_slots == 0) return;  // nothing to write
 
   const c10::cuda::CUDAGuard guard(x.device());
-  if (fused_operands(x, w_kv, bias, hidden_norm_weight, hidden_rms, k_caches) &&
-      run_fused(x, w_kv, bias, k_weight, positions, cos_sin_cache, slot_mapping, k_caches,
-                v_caches, eps, is_neox, hidden_rms)) {
-    return;
-  }
   // hidden_rms at up to kRmsFusedTokens tokens: the GEMM without the bias, then the epilogue
   // scales each row by 1 / rms(x_t) and adds the bias (one launch after the GEMM); above, a norm
   // pass with unit weights and the plain path (K / V then round at other points: equal to the

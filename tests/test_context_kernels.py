@@ -168,39 +168,6 @@ def test_context_kv(case, dtype, backend):
                             nb=t // bs + 3, bs=bs, strided_table=(t % 2 == 1), backend=backend)
 
 
-# (T, H, L, Hkv, R, neox, layout, bias, hidden_norm, dtype, fused): whether the CUDA fused
-# kernel (GEMM + epilogue, one launch) serves the call
-FUSED_CASES = [
-    (1, 4096, 5, 8, 128, True, "nhd2", False, "rms", BF16, True),   # the plugin's decode call
-    (8, 4160, 2, 3, 128, False, "hnd2d", True, False, BF16, True),  # uneven splits, bias
-    (9, 128, 1, 1, 128, True, "separate", True, "rms", BF16, True),  # 6 of 8 splits idle
-    (32, 1024, 8, 2, 64, False, "nhd2", False, "rms", BF16, True),
-    (31, 2048, 3, 4, 128, True, "separate", True, False, FP16, True),
-    (16, 1024, 2, 2, 128, True, "nhd2", False, "rms", FP16, False),  # fp16 hidden_rms: not
-    (33, 1024, 2, 2, 128, True, "nhd2", True, False, BF16, False),   # T > 32: not
-    (4, 1000, 2, 2, 128, True, "nhd2", False, False, BF16, False),   # H % 64 != 0: not
-]
-
-
-@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"T{c[0]}_H{c[1]}_{c[9]}")
-@pytest.mark.parametrize("switch", ["on", "off"])
-def test_context_kv_fused_path(case, switch, monkeypatch):
-    """With DFLASH_OPS_CONTEXT_FUSED=1 the CUDA op takes its fused kernel exactly where its
-    conditions hold (off by default: it lost to the split path on the H100), and either path
-    matches the reference."""
-    _need("context_kv_", "cuda")
-    t, h, n_layers, hkv, r, neox, layout, bias, hn, dtype, fused = case
-    if switch == "on":
-        monkeypatch.setenv("DFLASH_OPS_CONTEXT_FUSED", "1")
-    gen = torch.Generator().manual_seed(t * 7 + h)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        interp.run_context_case(DEV, dtype, t, h, n_layers, hkv, 128, r, neox, layout, bias, hn,
-                                gen, nb=t // 16 + 3, bs=16, strided_table=(t % 2 == 1),
-                                backend="cuda")
-    ran = any("context_fused_kernel" in e.key for e in prof.key_averages())
-    assert ran == (fused and switch == "on"), f"fused kernel ran: {ran}"
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_context_kv_hidden_rms_zero_width_x(backend):
     """hidden_rms with H = 0 (x [T, 0]): kv is the bias alone (the GEMM's rows are zero and

@@ -366,22 +366,29 @@ def test_steps_hold_one_scratch_slot_in_both_caches(blocks):
     assert 2 not in target.cache.in_use() and 2 not in drafter.cache.in_use()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bench_counter_target_follows_its_successor_with_a_margin(dtype):
-    """bench.policy's counter target: random weights of a Qwen3 shape except the embedding,
-    the LM head and the output projections; greedy decoding gives t + 1 (mod the successor
-    range) after any token, so every strategy commits the same tokens."""
+def _counter_target(dtype=torch.float32):
+    """A tiny Qwen3 target (random weights) made a counter by bench.policy.counter_target: its
+    greedy next token is t + 1 (mod 900) with a wide margin; CPU."""
     from dflash_ops.bench.e2e import _random_state
     from dflash_ops.bench.policy import counter_target
-    from dflash_ops.models.target import TargetConfig, expected_target_shapes
+    from dflash_ops.models.target import expected_target_shapes
     cfg = TargetConfig(hidden_size=256, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64,
                        intermediate_size=512, vocab_size=1000, rms_norm_eps=1e-6,
                        rope_theta=1e6, tie_word_embeddings=False, attention_bias=False,
                        qk_norm=True, source="test")
     state = _random_state(expected_target_shapes(cfg)[0], 0, "cpu", dtype)
     counter_target(state, successor_of=900)
-    target = Target(cfg, state, dtype=dtype, device="cpu", max_requests=3, max_len=128,
-                    num_blocks=24, block_size=16)
+    return Target(cfg, state, dtype=dtype, device="cpu", max_requests=4, max_len=256,
+                  num_blocks=64, block_size=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bench_counter_target_follows_its_successor_with_a_margin(dtype):
+    """bench.policy's counter target: random weights of a Qwen3 shape except the embedding,
+    the LM head and the output projections; greedy decoding gives t + 1 (mod the successor
+    range) after any token, so every strategy commits the same tokens."""
+    from dflash_ops.bench.policy import counter_target
+    target = _counter_target(dtype)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 900, (n,), generator=g).tolist() for n in (5, 40, 17)]
     prompts[0][-1] = 899  # wraps around
@@ -394,7 +401,7 @@ def test_bench_counter_target_follows_its_successor_with_a_margin(dtype):
     top2 = logits[-1].topk(2).values
     assert top2[0] > 3 * top2[1].abs(), top2  # ~16 sqrt(H) vs the largest of N(0, 16^2)
     with pytest.raises(ValueError, match="untied LM head"):
-        counter_target({"model.embed_tokens.weight": state["model.embed_tokens.weight"]}, 900)
+        counter_target({"model.embed_tokens.weight": torch.zeros(1000, 256, dtype=dtype)}, 900)
 
 
 def test_bench_policy_times_the_three_loops_interleaved(monkeypatch):
@@ -636,21 +643,6 @@ def test_bench_policy_verdict_names_the_missing_p_of_a_case():
                     f"measured: B=1 S=1024 p={bp.P_GRID[-1]}, B=8 S=1024")
 
 
-def _counter_pair(dtype=torch.float32):
-    """A tiny counter target (bench.policy.counter_target) and a random drafter for it, CPU."""
-    from dflash_ops.bench.e2e import _random_state
-    from dflash_ops.bench.policy import counter_target
-    from dflash_ops.models.target import TargetConfig, expected_target_shapes
-    cfg = TargetConfig(hidden_size=256, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64,
-                       intermediate_size=512, vocab_size=1000, rms_norm_eps=1e-6,
-                       rope_theta=1e6, tie_word_embeddings=False, attention_bias=False,
-                       qk_norm=True, source="test")
-    state = _random_state(expected_target_shapes(cfg)[0], 0, "cpu", dtype)
-    counter_target(state, successor_of=900)
-    return Target(cfg, state, dtype=dtype, device="cpu", max_requests=4, max_len=256,
-                  num_blocks=64, block_size=16)
-
-
 def test_fast_prefill_runs_the_last_tokens_and_keeps_the_tokens():
     """bench.policy.fast_prefill: a prefill (logit_rows given) runs only each prompt's last
     token at its position (T = requests), its logits' argmax is the real prefill's (the counter
@@ -658,7 +650,7 @@ def test_fast_prefill_runs_the_last_tokens_and_keeps_the_tokens():
     through; the method is restored after the block, and plain greedy decoding under it gives
     the real prefill's tokens."""
     from dflash_ops.bench.policy import fast_prefill
-    target = _counter_pair()
+    target = _counter_target()
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 900, (n,), generator=g).tolist() for n in (37, 5, 70)]
     want = plain_greedy(target, prompts, 12)
