@@ -33,7 +33,9 @@
 #            whether plugin vs stock lies outside the runs' spread; BENCH_ARGS for
 #            --batch/--context, --profile P for the kernel breakdown by part)
 #   policy:  bench policy (BENCH_ARGS, default --quick): the loop's policy vs always drafting vs
-#            plain decode with an oracle drafter right with probability p (issue 18's grid)
+#            plain decode with an oracle drafter right with probability p (issue 18's grid);
+#            POLICY_EACH="1x1k 8x1k": each case in its own process (POLICY_TIMEOUT each), so a
+#            call cut by its limit keeps the finished cases' policy-<case>.json
 #   attn:    the attention suite (BENCH_ARGS: --quick, --cases, --tables, --no-flex)
 #   models:  bench_drafter (DRAFTER_ARGS, default --no-ref), bench_e2e (E2E_ARGS, default --quick)
 #            and profile_step (PROFILE_ARGS) in one call
@@ -271,10 +273,22 @@ if [ "$what" = ctx-probe ]; then  # the precompute epilogue: stream cost vs prof
   done
 fi
 if [ "$what" = policy ]; then  # issue 18's grid: policy vs always vs plain decode (oracle p)
-  timeout "${POLICY_TIMEOUT:-560}" python3 -m dflash_ops bench policy ${BENCH_ARGS:---quick} \
-    --out "$OUT/results" > "$OUT/bench_policy.log" 2>&1
-  r=$?; [ $r -ne 0 ] && rc=$r
-  grep -E "^\[policy\]|ok \(" "$OUT/bench_policy.log" | tail -40
+  if [ -n "${POLICY_EACH:-}" ]; then
+    # one process a case (e.g. POLICY_EACH="1x1k 8x1k"), each under POLICY_TIMEOUT: a call cut
+    # by its limit keeps the cases that finished (policy-<case>.json each; merge joins them)
+    for c in $POLICY_EACH; do
+      DFLASH_OPS_BENCH_POLICY_CASES=$c timeout "${POLICY_TIMEOUT:-560}" python3 -m dflash_ops \
+        bench policy ${BENCH_ARGS:-} --out "$OUT/results" > "$OUT/bench_policy_$c.log" 2>&1
+      r=$?; [ $r -ne 0 ] && rc=$r
+      echo "policy $c: rc $r, $(( $(date +%s) - t0 )) s"
+      grep -E "^\[policy\]|ok \(" "$OUT/bench_policy_$c.log" | tail -12
+    done
+  else
+    timeout "${POLICY_TIMEOUT:-560}" python3 -m dflash_ops bench policy ${BENCH_ARGS:---quick} \
+      --out "$OUT/results" > "$OUT/bench_policy.log" 2>&1
+    r=$?; [ $r -ne 0 ] && rc=$r
+    grep -E "^\[policy\]|ok \(" "$OUT/bench_policy.log" | tail -40
+  fi
 fi
 if [ "$what" = ncu ]; then  # Nsight Compute of one kernel launch inside a benchmark run
   # NCU_KERNEL: kernel-name regex (default our attention kernel); NCU_SKIP: launches of it to
