@@ -60,6 +60,20 @@ void qk_norm_rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& q_weight,
 void knorm_rope_(at::Tensor& k, const at::Tensor& k_weight, const at::Tensor& positions,
                  const at::Tensor& cos_sin_cache, double eps, bool is_neox);
 
+// qk_norm_rope_store_(Tensor(a!) q, Tensor k, Tensor v, Tensor? q_weight, Tensor? k_weight,
+//                     Tensor positions, Tensor cos_sin_cache, float eps, bool is_neox,
+//                     Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping) -> ()
+//   q: [T, Hq, D], k, v: [T, Hkv, D] (e.g. slices of a fused QKV output); weights [D] or both
+//   None (rope_ instead of the norms); caches [num_blocks, block_size, Hkv, D] any strides;
+//   one launch: q as qk_norm_rope_ in place; k's rows normed and rotated into k_cache and v's
+//   rows copied into v_cache at slot_mapping[t] (skipped outside [0, num_blocks * block_size));
+//   k and v are not written
+void qk_norm_rope_store_(at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const std::optional<at::Tensor>& q_weight,
+                         const std::optional<at::Tensor>& k_weight, const at::Tensor& positions,
+                         const at::Tensor& cos_sin_cache, double eps, bool is_neox,
+                         at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping);
+
 // store_kv_(Tensor k, Tensor v, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches,
 //           Tensor slot_mapping) -> ()
 //   k, v: [T, L, Hkv, D] any strides with unit stride in D; k_caches, v_caches: L tensors

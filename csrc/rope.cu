@@ -1,8 +1,12 @@
-// Rotary embedding: rope_, qk_norm_rope_, knorm_rope_ (references: dflash_ops/ops/rope.py).
+// Rotary embedding: rope_, qk_norm_rope_, knorm_rope_ (references: dflash_ops/ops/rope.py) and
+// qk_norm_rope_store_ (dflash_ops/ops/kv.py).
 //
 //   rope_          x[T, Hx, D]                        rotated in place
 //   qk_norm_rope_  q[T, Hq, D], k[T, Hkv, D]          per-head RMSNorm, then rotation; one launch
 //   knorm_rope_    k[T, L, Hkv, D], k_weight[L, D]    layer l's K-norm, then rotation; one launch
+//   qk_norm_rope_store_  q as qk_norm_rope_ (or rope_ without weights); k's row normed and
+//                  rotated into k_cache at slot_mapping[t], v's row copied into v_cache there
+//                  (a k row's lanes carry its v row too); k and v are not written
 //
 // Numerics (HF rounding: T(T(x * rstd) * w), then the rotation in fp32 rounded once) and the
 // row layout (units of 2V elements, both elements of every rotation pair in one lane) are those
@@ -55,8 +59,23 @@ struct HeadSet {
   FastDiv div_inner;   // n_inner
 };
 
+// qk_norm_rope_store_: where set[1]'s (k's) rows go. Token t's head i: its slot s =
+// slots[t] (skipped unless 0 <= s < n_slots) gives the cache row (s / block_size) * s_block +
+// (s % block_size) * s_row + i * s_head of k_cache (the rotated k row) and of v_cache (v's row,
+// read at v + t * v_tok + i * v_inner).
+struct StoreDst {
+  void* kc;
+  void* vc;
+  const void* v;
+  int64_t kc_block, kc_row, kc_head, vc_block, vc_row, vc_head;
+  int64_t v_tok, v_inner;
+  const int64_t* slots;
+  int64_t slot_stride, n_slots, block_size;
+};
+
 struct RopeParams {
   HeadSet set[2];      // qk_norm_rope_: q (heads [0, heads0)), k; otherwise set[0] alone
+  StoreDst dst;        // qk_norm_rope_store_ (the STORE kernels) only
   RotaryRow rope;      // cos/sin table and row geometry (rope_common.cuh)
   const int64_t* pos;  // positions[T], element stride pos_stride
   int64_t pos_stride;
@@ -71,8 +90,10 @@ constexpr int kBlock = 256;
 // see the file comment. rows < 2^31. Registers (sm_90a, no spills): one unit a lane fits 48
 // (5 blocks an SM, 40 KB of rows in flight); two units a lane take up to 79 for bf16 (3 blocks,
 // 48 KB), and capping them at 64 spills.
-template <class E, int V, int NU, bool NEOX, bool NORM>
-__global__ void __launch_bounds__(kBlock, (NU == 1 && V > 1) ? 5 : 1)
+// STORE (qk_norm_rope_store_): set[1]'s rows go to the caches (StoreDst) with their v rows;
+// the v row's registers spill under the 48 cap, so these kernels have none.
+template <class E, int V, int NU, bool NEOX, bool NORM, bool STORE>
+__global__ void __launch_bounds__(kBlock, (NU == 1 && V > 1 && !STORE) ? 5 : 1)
     rope_kernel(const RopeParams p, const int tpr_log2) {
   pdl_wait();  // launched as a programmatic dependent (common.cuh): the prior grid first
   using Bits = typename E::Bits;
@@ -101,20 +122,45 @@ __global__ void __launch_bounds__(kBlock, (NU == 1 && V > 1) ? 5 : 1)
                         int64_t(o) * (second ? p.set[1].w_row : p.set[0].w_row);
   const int64_t w_col = V == 1 ? (second ? p.set[1].w_col : p.set[0].w_col) : 1;
 
-  // rope_ leaves the unrotated tail alone (NeoX tail units; GPT-J units past R/2).
-  const LaneUnits<V, NU, NEOX> lu(p.rope, lane, tpr, valid, /*whole_row=*/NORM);
+  // rope_ leaves the unrotated tail alone (NeoX tail units; GPT-J units past R/2); a row
+  // stored into a cache moves whole.
+  const bool to_cache = STORE && second;
+  const LaneUnits<V, NU, NEOX> lu(p.rope, lane, tpr, valid, /*whole_row=*/NORM || to_cache);
 
-  // The row first (the long wait), then the position and the weights.
+  // The row first (the long wait; with it a cache row's v row), then the position, the slot
+  // and the weights.
   Unit<Bits, V> cur[NU];
   load_units(x, lu, cur);
+  Unit<Bits, V> vrow[STORE ? NU : 1];
+  int64_t slot = -1;
+  if constexpr (STORE) {
+    const Bits* const vsrc = static_cast<const Bits*>(p.dst.v) +
+                             (int64_t(t) * p.dst.v_tok + int64_t(i) * p.dst.v_inner);
+    const LaneUnits<V, NU, NEOX> lv(p.rope, lane, tpr, valid && to_cache, true);
+    load_units(vsrc, lv, vrow);
+    if (valid && to_cache) slot = __ldg(p.dst.slots + int64_t(t) * p.dst.slot_stride);
+  }
   int64_t pos = -1;
   if (valid) pos = __ldg(p.pos + int64_t(t) * p.pos_stride);
   const bool rot = pos >= 0 && pos < p.rope.n_pos;
-  if (!NORM && !rot) return;  // rope_: the token stays as it is
+  if (!NORM && !rot && !to_cache) return;  // rope_: the token stays as it is
 
   if (NORM) {  // cur <- y = T(T(x * rstd) * w)
     norm_units<E>(p.rope, lu, w, w_col, tpr, cur);
     if (!valid) return;  // (after the last shuffle)
+  }
+  if constexpr (STORE) {
+    if (to_cache) {
+      if (slot < 0 || slot >= p.dst.n_slots) return;  // padding, or past the cache
+      const int64_t block = slot / p.dst.block_size, brow = slot - block * p.dst.block_size;
+      Bits* const vdst = static_cast<Bits*>(p.dst.vc) +
+                         (block * p.dst.vc_block + brow * p.dst.vc_row + int64_t(i) * p.dst.vc_head);
+      store_units(vdst, lu, vrow);
+      Bits* const kdst = static_cast<Bits*>(p.dst.kc) +
+                         (block * p.dst.kc_block + brow * p.dst.kc_row + int64_t(i) * p.dst.kc_head);
+      rotate_store_units<E>(p.rope, lu, pos, rot, cur, kdst);
+      return;
+    }
   }
   rotate_store_units<E>(p.rope, lu, pos, rot, cur, x);
 }
@@ -160,33 +206,53 @@ struct SetArg {
   bool outer = false;
 };
 
-template <class E, int V, int NU>
+template <class E, int V, int NU, bool STORE>
 void launch_rope(const RopeParams& p, bool neox, bool norm, int tpr_log2, unsigned blocks,
                  cudaStream_t stream) {
   const dim3 grid(blocks), block(kBlock);
   if (neox) {
-    norm ? launch_kernel(rope_kernel<E, V, NU, true, true>, grid, block, 0, stream, p, tpr_log2)
-         : launch_kernel(rope_kernel<E, V, NU, true, false>, grid, block, 0, stream, p, tpr_log2);
+    norm ? launch_kernel(rope_kernel<E, V, NU, true, true, STORE>, grid, block, 0, stream, p,
+                         tpr_log2)
+         : launch_kernel(rope_kernel<E, V, NU, true, false, STORE>, grid, block, 0, stream, p,
+                         tpr_log2);
   } else {
-    norm ? launch_kernel(rope_kernel<E, V, NU, false, true>, grid, block, 0, stream, p, tpr_log2)
-         : launch_kernel(rope_kernel<E, V, NU, false, false>, grid, block, 0, stream, p, tpr_log2);
+    norm ? launch_kernel(rope_kernel<E, V, NU, false, true, STORE>, grid, block, 0, stream, p,
+                         tpr_log2)
+         : launch_kernel(rope_kernel<E, V, NU, false, false, STORE>, grid, block, 0, stream, p,
+                         tpr_log2);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // nu: units a lane (vector path 1 or 2, scalar path 4).
-template <class E>
+template <class E, bool STORE>
 void launch_dtype(const RopeParams& p, bool vec, int nu, bool neox, bool norm, int tpr_log2,
                   unsigned blocks, cudaStream_t stream) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(typename E::Bits));
   if (!vec) {
-    launch_rope<E, 1, 4>(p, neox, norm, tpr_log2, blocks, stream);
+    launch_rope<E, 1, 4, STORE>(p, neox, norm, tpr_log2, blocks, stream);
   } else if constexpr (kVec == 4) {  // fp32: one unit a lane (the host asks for no more)
-    launch_rope<E, kVec, 1>(p, neox, norm, tpr_log2, blocks, stream);
+    launch_rope<E, kVec, 1, STORE>(p, neox, norm, tpr_log2, blocks, stream);
   } else if (nu == 1) {
-    launch_rope<E, kVec, 1>(p, neox, norm, tpr_log2, blocks, stream);
+    launch_rope<E, kVec, 1, STORE>(p, neox, norm, tpr_log2, blocks, stream);
   } else {
-    launch_rope<E, kVec, 2>(p, neox, norm, tpr_log2, blocks, stream);
+    launch_rope<E, kVec, 2, STORE>(p, neox, norm, tpr_log2, blocks, stream);
+  }
+}
+
+template <bool STORE>
+void launch_any(at::ScalarType dtype, const RopeParams& p, bool vec, int nu, bool neox, bool norm,
+                int tpr_log2, unsigned blocks, cudaStream_t stream) {
+  switch (dtype) {
+    case at::kBFloat16:
+      launch_dtype<BF16, STORE>(p, vec, nu, neox, norm, tpr_log2, blocks, stream);
+      break;
+    case at::kHalf:
+      launch_dtype<F16, STORE>(p, vec, nu, neox, norm, tpr_log2, blocks, stream);
+      break;
+    default:
+      launch_dtype<F32, STORE>(p, vec, nu, neox, norm, tpr_log2, blocks, stream);
+      break;
   }
 }
 
@@ -194,10 +260,20 @@ void launch_dtype(const RopeParams& p, bool vec, int nu, bool neox, bool norm, i
 // lanes a row). fp32 takes one unit a lane.
 constexpr int kVectorLaneUnits = 2;
 
+// qk_norm_rope_store_'s v and caches (the arguments of run's store mode).
+struct StoreArg {
+  const at::Tensor* v;
+  const at::Tensor* k_cache;
+  const at::Tensor* v_cache;
+  const at::Tensor* slot_mapping;
+};
+
 // Builds the parameters and launches; the arguments are checked. sets[1].x may be null; a set
-// may have no heads. what: the tensors' names, for the one error left (too many rows).
+// may have no heads. what: the tensors' names, for the one error left (too many rows). store:
+// qk_norm_rope_store_ (set[1] is k; its rows go to the caches).
 void run(const char* op, const char* what, const SetArg (&sets)[2], const at::Tensor& positions,
-         const at::Tensor& cos_sin_cache, double eps, bool is_neox, bool norm) {
+         const at::Tensor& cos_sin_cache, double eps, bool is_neox, bool norm,
+         const StoreArg* store = nullptr) {
   const at::Tensor& x0 = *sets[0].x;
   const int64_t t = x0.size(0), d = x0.size(-1);
   const int64_t es = x0.element_size();
@@ -236,6 +312,24 @@ void run(const char* op, const char* what, const SetArg (&sets)[2], const at::Te
     if (s == 0) p.heads0 = static_cast<uint32_t>(n_outer * n_inner);
     heads += n_outer * n_inner;
   }
+  if (store != nullptr) {  // the caches' rows: vector path where v and both caches allow it
+    StoreDst& s = p.dst;
+    const at::Tensor &v = *store->v, &kc = *store->k_cache, &vc = *store->v_cache;
+    s.kc = kc.data_ptr();
+    s.vc = vc.data_ptr();
+    s.v = v.data_ptr();
+    s.kc_block = kc.stride(0), s.kc_row = kc.stride(1), s.kc_head = kc.stride(2);
+    s.vc_block = vc.stride(0), s.vc_row = vc.stride(1), s.vc_head = vc.stride(2);
+    s.v_tok = v.stride(0), s.v_inner = v.stride(1);
+    s.slots = store->slot_mapping->data_ptr<int64_t>();
+    s.slot_stride = store->slot_mapping->stride(0);
+    s.block_size = kc.size(1);
+    s.n_slots = kc.size(0) * kc.size(1);
+    for (const int64_t st : {s.kc_block, s.kc_row, s.kc_head, s.vc_block, s.vc_row, s.vc_head,
+                             s.v_tok, s.v_inner})
+      vec = vec && st % vmax == 0;
+    vec = vec && aligned16(s.kc) && aligned16(s.vc) && aligned16(s.v);
+  }
   const int64_t rows = t * heads;
   if (rows == 0) return;
   TORCH_CHECK_VALUE(rows < std::numeric_limits<int32_t>::max(), "dflash.", op, ": ", what,
@@ -257,16 +351,10 @@ void run(const char* op, const char* what, const SetArg (&sets)[2], const at::Te
 
   const c10::cuda::CUDAGuard guard(x0.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
-  switch (x0.scalar_type()) {
-    case at::kBFloat16:
-      launch_dtype<BF16>(p, vec, nu, is_neox, norm, tpr_log2, blocks, stream);
-      break;
-    case at::kHalf:
-      launch_dtype<F16>(p, vec, nu, is_neox, norm, tpr_log2, blocks, stream);
-      break;
-    default:
-      launch_dtype<F32>(p, vec, nu, is_neox, norm, tpr_log2, blocks, stream);
-      break;
+  if (store != nullptr) {
+    launch_any<true>(x0.scalar_type(), p, vec, nu, is_neox, norm, tpr_log2, blocks, stream);
+  } else {
+    launch_any<false>(x0.scalar_type(), p, vec, nu, is_neox, norm, tpr_log2, blocks, stream);
   }
 }
 
@@ -320,11 +408,62 @@ void knorm_rope_(at::Tensor& k, const at::Tensor& k_weight, const at::Tensor& po
   run(op, "k", sets, positions, cos_sin_cache, eps, is_neox, /*norm=*/true);
 }
 
+void qk_norm_rope_store_(at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const std::optional<at::Tensor>& q_weight,
+                         const std::optional<at::Tensor>& k_weight, const at::Tensor& positions,
+                         const at::Tensor& cos_sin_cache, double eps, bool is_neox,
+                         at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  constexpr const char* op = "qk_norm_rope_store_";
+  // q: [T, Hq, D]; k, v: [T, Hkv, D]; q_weight, k_weight: [D] or both None; caches
+  // [num_blocks, block_size, Hkv, D]; slot_mapping: [T] int64 (the order of ops/kv.py)
+  check_heads(op, "q", q, 3, nullptr);
+  const at::Device device = q.device();
+  check_heads(op, "k", k, 3, &device);
+  check_same_dtype(op, "k", k, "q", q);
+  const int64_t t = q.size(0), d = q.size(-1);
+  TORCH_CHECK_VALUE(k.size(0) == t && k.size(2) == d, "dflash.", op, ": k must be [T=", t,
+                    ", Hkv, D=", d, "] like q, got ", py_list(k.sizes()));
+  check_device(op, "v", v, device);
+  check_shape(op, "v", v, k.sizes());
+  check_last_dim(op, "v", v);
+  check_same_dtype(op, "v", v, "q", q);
+  TORCH_CHECK_VALUE(q_weight.has_value() == k_weight.has_value(), "dflash.", op,
+                    ": q_weight and k_weight must both be given (QK-norm) or both be None "
+                    "(RoPE alone), got q_weight ", q_weight ? "a tensor" : "None",
+                    " and k_weight ", k_weight ? "a tensor" : "None");
+  const bool norm = q_weight.has_value();
+  if (norm) {
+    check_weight(op, "q_weight", *q_weight, {d}, device, "q", q);
+    check_weight(op, "k_weight", *k_weight, {d}, device, "q", q);
+  }
+  check_eps(op, eps);
+  check_positions(op, positions, cos_sin_cache, t, d, device);
+  const int64_t hkv = k.size(1);
+  for (const auto& [name, c] : {std::pair<const char*, const at::Tensor*>{"k_cache", &k_cache},
+                                {"v_cache", &v_cache}}) {
+    check_cache(op, name, *c, q);
+    TORCH_CHECK_VALUE(c->size(2) == hkv && c->size(3) == d, "dflash.", op, ": ", name,
+                      " must be [num_blocks, block_size, ", hkv, ", ", d,
+                      "] (Hkv, D of k), got ", py_list(c->sizes()));
+  }
+  TORCH_CHECK_VALUE(k_cache.sizes().slice(0, 2) == v_cache.sizes().slice(0, 2), "dflash.", op,
+                    ": v_cache must have the [num_blocks, block_size] of k_cache ",
+                    py_list(k_cache.sizes().slice(0, 2)), ", got ",
+                    py_list(v_cache.sizes().slice(0, 2)));
+  check_index_vector(op, "slot_mapping", slot_mapping, t, device);
+  if (t == 0) return;
+  const SetArg sets[2] = {{&q, norm ? &*q_weight : nullptr, false},
+                          {&k, norm ? &*k_weight : nullptr, false}};
+  const StoreArg store{&v, &k_cache, &v_cache, &slot_mapping};
+  run(op, "q and k", sets, positions, cos_sin_cache, eps, is_neox, norm, &store);
+}
+
 }  // namespace dflash_ops
 
 static void register_kernels(torch::Library& m) {
   m.impl("rope_", TORCH_FN(dflash_ops::rope_));
   m.impl("qk_norm_rope_", TORCH_FN(dflash_ops::qk_norm_rope_));
   m.impl("knorm_rope_", TORCH_FN(dflash_ops::knorm_rope_));
+  m.impl("qk_norm_rope_store_", TORCH_FN(dflash_ops::qk_norm_rope_store_));
 }
 DFLASH_OPS_REGISTER_CUDA(register_kernels)

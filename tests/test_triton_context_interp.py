@@ -1,4 +1,4 @@
-"""The Triton rope_ / qk_norm_rope_ / knorm_rope_ / store_kv_ kernels on CPU under
+"""The Triton rope_ / qk_norm_rope_ / knorm_rope_ / store_kv_ / qk_norm_rope_store_ kernels on CPU under
 TRITON_INTERPRET=1 against the PyTorch reference (the default backend on CPU).
 
 TRITON_INTERPRET must be set before triton is imported, so each test runs its checks in a
@@ -304,6 +304,15 @@ what = sys.argv[1]
 if what == "index64":  # the 64-bit offset variants of every kernel, on the same cases
     trope._INDEX_32_MAX = tkv._INDEX_32_MAX = 0
     t.check_all("cpu", [torch.float16])
+elif what == "qk_norm_rope_store_":  # the GPU test's cases in fp16 / fp32, T <= 257
+    import tests.test_kv_kernels as tk, tests.test_rope_kernels as tr
+    import tests.test_qk_norm_rope_store_kernels as tq
+    tr.DEV = tk.DEV = tq.DEV = "cpu"
+    for c in tq.CASES:
+        if c[0] <= 257 and c[6] != torch.bfloat16:
+            tq.test_qk_norm_rope_store("triton", *c)
+    trope._INDEX_32_MAX = 0  # the 64-bit offset variant
+    tq.test_qk_norm_rope_store("triton", *tq.CASES[1])
 elif what == "store_kv_":
     t.check_store_kv("cpu")
     t.check_store_kv_table_cache("cpu")
@@ -314,6 +323,7 @@ print("interp-ok")
 """
 
 
-@pytest.mark.parametrize("what", ["rope", "qk_norm_rope", "knorm_rope", "store_kv_", "index64"])
+@pytest.mark.parametrize("what", ["rope", "qk_norm_rope", "knorm_rope", "store_kv_",
+                                  "qk_norm_rope_store_", "index64"])
 def test_triton_context_interpreter_cpu(what):
     run_interpreted(_SCRIPT, what, timeout=600)

@@ -3,7 +3,7 @@
 paged cache writes, ``bench.context_fused``), our backends against the baselines; then the host
 overhead of an eager call of each op of the K/V path.
 
-Tables (``TABLES``): knorm_rope_, qk_norm_rope_, store_kv_ (per model of ``context_ops.MODELS``),
+Tables (``TABLES``): knorm_rope_, qk_norm_rope_, qk_norm_rope_store_, store_kv_ (per model of ``context_ops.MODELS``),
 context_kv_ (per model of ``context_fused.CTX_MODELS``), context_kv_hidden_norm (Qwen3-8B at
 QUICK_TS), host. T = 1 ... 16384 tokens (``--quick``: QUICK_TS), bf16; shapes, columns, bytes
 and checks are in those modules' docstrings.
@@ -42,8 +42,8 @@ from .context_ops import (BLOCK_SIZE, DEVICE, EPS, HQ, MAX_POS, MODELS, OP_NOTES
                           op_tables, random_positions, rnd, split_qkv)
 from .harness import Results, measure_floors, name_list
 
-TABLES = ("knorm_rope_", "qk_norm_rope_", "store_kv_", "context_kv_", "context_kv_hidden_norm",
-          "host")
+TABLES = ("knorm_rope_", "qk_norm_rope_", "qk_norm_rope_store_", "store_kv_", "context_kv_",
+          "context_kv_hidden_norm", "host")
 ALL_MODELS = tuple(dict.fromkeys([*MODELS, *CTX_MODELS]))
 TS = (1, 16, 64, 256, 1024, 4096, 16384)
 QUICK_TS = (1, 256, 4096, 16384)
@@ -122,7 +122,7 @@ def run(quick: bool = False, models=None, tables=None, compiled_chain=None) -> R
         "do_bench events only where capture fails or the column synchronises (said in the note); "
         "inputs rotate over sets totalling >= 2x L2 (<= 1024 sets)",
     ]
-    if {"knorm_rope_", "qk_norm_rope_", "store_kv_"} & set(tables):
+    if {"knorm_rope_", "qk_norm_rope_", "qk_norm_rope_store_", "store_kv_"} & set(tables):
         res.notes += OP_NOTES
     if {"context_kv_", "context_kv_hidden_norm"} & set(tables):
         res.notes += CTX_NOTES

@@ -1,5 +1,5 @@
 """The standalone-op tables of the context K/V suite (``bench.context_kv``): ``knorm_rope_``,
-``qk_norm_rope_`` and ``store_kv_``, our backends against the baselines, and the inputs the
+``qk_norm_rope_``, ``qk_norm_rope_store_`` and ``store_kv_``, our backends against the baselines, and the inputs the
 context_kv_ tables share (caches, slots, positions).
 
 Shapes: the Qwen3-8B drafter (L 5, Hkv 8, D 128) and gpt-oss-20b-DFlash (L 8, Hkv 8, D 64); the
@@ -9,6 +9,9 @@ positions a contiguous run (a prefill chunk) at a random offset of a 32768-row f
 Tables, one per op and model:
 * ``knorm_rope_`` in place on k = kv[:, :, 0] of the K/V GEMM output [T, L, 2, Hkv, D], wk[L, D].
 * ``qk_norm_rope_`` in place on the q and k slices of a fused QKV output [T, (Hq + 2*Hkv) * D].
+* ``qk_norm_rope_store_`` (a decoder layer's step after its QKV GEMM): q in place, k normed and
+  rotated and v into one layer's cache [num_blocks, 2, 16, Hkv, D], against the chain of
+  ``qk_norm_rope_`` + ``store_kv_`` it replaces.
 * ``store_kv_`` of kv[:, :, 0] / kv[:, :, 1] into L caches [num_blocks, 16, Hkv, D], views of one
   vLLM-style [num_blocks, 2, 16, Hkv, D] tensor per layer; slots are a prefill's: shuffled blocks,
   consecutive rows (every slot valid).
@@ -20,7 +23,8 @@ copy of the same bytes, and the floor. Every column is checked against the refer
 benchmark's own inputs before it is timed (store_kv_: bit-exact caches).
 
 Bytes (the floor's numerator): knorm_rope_ reads and writes T*L*Hkv*D elements (+ T cos/sin rows,
-positions, weights); qk_norm_rope_ T*(Hq + Hkv)*D in and out (+ the same extras); store_kv_ reads
+positions, weights); qk_norm_rope_ T*(Hq + Hkv)*D in and out (+ the same extras);
+qk_norm_rope_store_ T*(Hq + 2*Hkv)*D in and out (+ the extras and slots); store_kv_ reads
 2*T*L*Hkv*D and writes as many (+ slots).
 """
 from __future__ import annotations
@@ -279,6 +283,50 @@ def _store_sets(t: int, n_layers: int, hkv: int, d: int, set_bytes: int) -> list
     return [(rnd(t, n_layers, 2, hkv, d), slots[j], *bufs) for j in range(n)]
 
 
+# ----------------------------------------------------------------------------- qk_norm_rope_store_
+def _qkrs_impls(hkv, d, wq, wk, cache):
+    """A decoder layer's step after its QKV GEMM (models.layer): the fused op against the two
+    launches it replaces (qk_norm_rope_ + store_kv_, what the layer ran before)."""
+    op = "qk_norm_rope_store_"
+    ref_ = dispatch.ops()[op].impls["torch"]
+
+    def split(qkv):
+        x = qkv.view(qkv.shape[0], HQ + 2 * hkv, d)
+        return x[:, :HQ], x[:, HQ:HQ + hkv], x[:, HQ + hkv:]
+
+    def ref(qkv, pos, slots, buf):
+        q, k, v = split(qkv)
+        ref_(q, k, v, wq, wk, pos, cache, EPS, True, buf[:, 0], buf[:, 1], slots)
+        return q, buf
+
+    def ours(qkv, pos, slots, buf):
+        q, k, v = split(qkv)
+        torch.ops.dflash.qk_norm_rope_store_.default(q, k, v, wq, wk, pos, cache, EPS, True,
+                                                     buf[:, 0], buf[:, 1], slots)
+        return q, buf
+
+    def chain(qkv, pos, slots, buf):  # q and k normed and rotated in place, then the store
+        q, k, v = split(qkv)
+        torch.ops.dflash.qk_norm_rope_.default(q, k, wq, wk, pos, cache, EPS, True)
+        torch.ops.dflash.store_kv_.default(k[:, None], v[:, None], [buf[:, 0]], [buf[:, 1]],
+                                           slots)
+        return q, buf
+
+    eager = Impl("torch eager (reference; syncs)", ref, ref, graph=False)
+    return [forced(op, "cuda", ours, ref), forced(op, "triton", ours, ref),
+            Impl(chain_name("qk_norm_rope_", "store_kv_"), chain, ref), eager,
+            Impl("copy (same bytes)", lambda qkv, pos, slots, buf: qkv.clone(), None)]
+
+
+def _qkrs_sets(t: int, hkv: int, d: int, set_bytes: int) -> list:
+    """Sets (qkv[T, (Hq + 2*Hkv) * D], positions[T], slots[T], one layer's cache [num_blocks, 2,
+    16, Hkv, D]) sharing the cache, each writing a prefill's slots in its own part of it."""
+    n = n_sets(set_bytes)
+    bufs, slots = shared_caches(n, t, 1, hkv, d)
+    return [(rnd(t, (HQ + 2 * hkv) * d), random_positions(t), slots[j], bufs[0])
+            for j in range(n)]
+
+
 # ----------------------------------------------------------------------------- tables
 def _table(res: Results, title: str, impls, cases, timing: dict, exact: bool = False) -> None:
     """cases: (T, build_sets() -> the rotating input sets, bytes moved per call); ``exact``:
@@ -317,6 +365,16 @@ def op_tables(res: Results, model: str, ts, timing: dict, tables) -> None:
     if "qk_norm_rope_" in tables:
         _table(res, f"qk_norm_rope_ {model}: q,k slices of qkv[T,({HQ}+2*{hkv})*{d}] bf16",
                _qk_impls(hkv, d, wq, wk, cache), cases, timing)
+    # qk_norm_rope_store_: reads q, k, v; writes q and the K/V rows
+    cases = []
+    for t in ts:
+        n = t * (HQ + 2 * hkv) * d * 2
+        cases.append((t, lambda t=t, b=n: _qkrs_sets(t, hkv, d, b),
+                      2 * n + extras(t) + t * 8 + 2 * wq.nbytes))
+    if "qk_norm_rope_store_" in tables:
+        _table(res, f"qk_norm_rope_store_ {model}: q,k,v slices of qkv[T,({HQ}+2*{hkv})*{d}] "
+                    f"bf16 -> [blocks,2,{BLOCK_SIZE},{hkv},{d}] (vLLM NHD)",
+               _qkrs_impls(hkv, d, wq, wk, cache), cases, timing)
     # store_kv_
     cases = []
     for t in ts:

@@ -10,8 +10,8 @@ Per step, for a batch of requests:
 * ``propose(block_ids, requests, start)``: the block ``[last token, MASK x N]`` of each request
   at positions ``start .. start + B - 1`` (``start`` = the request's committed length, whose
   context K/V are all in the cache). Per layer (``models.layer.DecoderLayer``, the target's
-  layer): RMSNorm, the fused QKV GEMM, ``qk_norm_rope_``, ``store_kv_`` of the block's K/V at
-  the slots after the context (the next ``add_context`` overwrites them with the committed
+  layer): RMSNorm, the fused QKV GEMM, ``qk_norm_rope_store_`` (q/k norm and RoPE, the
+  block's K/V written at the slots after the context) (the next ``add_context`` overwrites them with the committed
   tokens' context K/V: the cache keeps context only), then ``block_attention`` over context +
   block (non-causal unless the layer is causal/sliding), ``o_proj``, residual, SwiGLU MLP; final
   norm; the LM head on the mask rows only; logits (model dtype; fp32 when the config scales or

@@ -3,9 +3,9 @@
 
 Per layer: the input RMSNorm (``rms_norm`` for the first layer, then ``fused_add_rms_norm_``,
 which also adds the previous layer's MLP output into the residual stream ``x``); one GEMM
-against the fused ``[q; k; v]`` weight; ``qk_norm_rope_`` (per-head RMSNorm of q and k, then
-RoPE) or, without QK-norm (Llama), ``rope_`` on q and k; ``store_kv_`` of the new K/V at the
-tokens' cache slots; ``block_attention`` of the new tokens over the request's cached keys (the
+against the fused ``[q; k; v]`` weight; ``qk_norm_rope_store_`` (per-head RMSNorm of q and k,
+then RoPE, or RoPE alone without QK-norm (Llama); q in place, the new K/V written at the
+tokens' cache slots, one launch); ``block_attention`` of the new tokens over the request's cached keys (the
 new ones included); ``o_proj``; ``fused_add_rms_norm_`` (residual add + post-attention norm);
 the SwiGLU MLP (``silu_mul`` between the fused gate/up GEMM and down). The MLP output is
 returned, not added: the caller adds it (the next layer's input norm, a tap, the final norm).
@@ -169,13 +169,9 @@ class DecoderLayer:
         q = qkv[:, :hq * d].view(-1, hq, d)
         k = qkv[:, hq * d:(hq + hkv) * d].view(-1, hkv, d)
         v = qkv[:, (hq + hkv) * d:].view(-1, hkv, d)
-        if self.q_norm is not None:
-            OPS.qk_norm_rope_(q, k, self.q_norm, self.k_norm, t.pos, t.cos_sin, eps,
-                              cfg.rope_is_neox)
-        else:
-            OPS.rope_(q, t.pos, t.cos_sin, cfg.rope_is_neox)
-            OPS.rope_(k, t.pos, t.cos_sin, cfg.rope_is_neox)
-        OPS.store_kv_(k[:, None], v[:, None], [k_cache], [v_cache], t.slots)
+        # q normed (QK-norm) and rotated in place; k's rows likewise and v's into the caches
+        OPS.qk_norm_rope_store_(q, k, v, self.q_norm, self.k_norm, t.pos, t.cos_sin, eps,
+                                cfg.rope_is_neox, k_cache, v_cache, t.slots)
         table, seq_lens = t.table, t.seq_lens
         if t.kept_table is not None and not self.causal and self.window <= 0:
             table, seq_lens = t.kept_table, t.kept_seq_lens

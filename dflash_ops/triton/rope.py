@@ -27,12 +27,28 @@ _INDEX_32_MAX = 2**31  # offsets below this use 32-bit math (tests lower it)
 
 
 @triton.jit
+def _slot_rows(slot_ptr, slot_st, n_slots, bs, c_st_b, c_st_r, t, tmask):
+    """The cache row offsets (int64, [BLOCK_T]) of tokens t and whether each is stored (a slot
+    in [0, n_slots))."""
+    slot = tl.load(slot_ptr + t * slot_st, mask=tmask, other=-1)
+    ok = tmask & (slot >= 0) & (slot < n_slots)
+    slot = tl.where(ok, slot, 0).to(tl.int64)
+    blk = slot // bs
+    return blk * c_st_b + (slot - blk * bs) * c_st_r, ok
+
+
+@triton.jit
 def _norm_rope_tile(x_ptr, w_ptr, pos_ptr, cs_ptr, t0, h0, T, H, st_t, st_h, w_st, pos_st,
-                    P, cs_st0, cs_st1, eps,
+                    P, cs_st0, cs_st1, eps, o_ptr, slot_ptr, slot_st, n_slots, bs, o_st_b,
+                    o_st_r, o_st_h,
                     D: tl.constexpr, R: tl.constexpr, BLOCK_HALF: tl.constexpr,
                     BLOCK_TAIL: tl.constexpr, IS_NEOX: tl.constexpr, NORM: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, OFF_64: tl.constexpr):
+                    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, OFF_64: tl.constexpr,
+                    SLOTS: tl.constexpr):
     # x: rows (t, h) at x_ptr + t*st_t + h*st_h, unit stride in D; w: [D] at stride w_st.
+    # The result goes back to x, or with SLOTS to the paged cache at o_ptr: token t's row h at
+    # (slot // bs) * o_st_b + (slot % bs) * o_st_r + h * o_st_h (tokens whose slot is outside
+    # [0, n_slots) are not stored).
     HALF: tl.constexpr = R // 2
     t = t0 + tl.arange(0, BLOCK_T)
     h = h0 + tl.arange(0, BLOCK_H)
@@ -46,6 +62,14 @@ def _norm_rope_tile(x_ptr, w_ptr, pos_ptr, cs_ptr, t0, h0, T, H, st_t, st_h, w_s
     else:
         row = t[:, None] * st_t + h[None, :] * st_h
     row = row[:, :, None]  # [BT, BH, 1]
+    if SLOTS:
+        crow, ok = _slot_rows(slot_ptr, slot_st, n_slots, bs, o_st_b, o_st_r, t, tmask)
+        orow = (crow[:, None] + h.to(tl.int64)[None, :] * o_st_h)[:, :, None]
+        omask = rmask & ok[:, None, None]
+    else:
+        o_ptr = x_ptr
+        orow = row
+        omask = rmask
 
     # cos/sin once per token; cos = 1, sin = 0 (and the where below) for a bad position
     pos = tl.load(pos_ptr + t * pos_st, mask=tmask, other=0)
@@ -98,17 +122,24 @@ def _norm_rope_tile(x_ptr, w_ptr, pos_ptr, cs_ptr, t0, h0, T, H, st_t, st_h, w_s
             wt_off = tl.broadcast_to((R + k)[None, None, :] * w_st, tail_mask.shape)
             wt = tl.load(w_ptr + wt_off, mask=tail_mask, other=0.0).to(tl.float32)
             yt = (xt * rstd).to(dtype).to(tl.float32) * wt
-            tl.store(x_ptr + row + R + k[None, None, :], yt.to(dtype), mask=tail_mask)
+            tl.store(o_ptr + orow + R + k[None, None, :], yt.to(dtype),
+                     mask=omask & kmask[None, None, :])
 
     v = valid[:, None, None]
     o1 = tl.where(v, y1 * cos - y2 * sin, y1).to(dtype)
     o2 = tl.where(v, y2 * cos + y1 * sin, y2).to(dtype)
     if IS_NEOX:
-        tl.store(x_ptr + row + i[None, None, :], o1, mask=mask)
-        tl.store(x_ptr + row + HALF + i[None, None, :], o2, mask=mask)
+        smask = omask & imask[None, None, :]
+        tl.store(o_ptr + orow + i[None, None, :], o1, mask=smask)
+        tl.store(o_ptr + orow + HALF + i[None, None, :], o2, mask=smask)
     else:
         out = tl.reshape(tl.join(o1, o2), (BLOCK_T, BLOCK_H, 2 * BLOCK_HALF))
-        tl.store(x_ptr + row + c[None, None, :], out, mask=cmask2)
+        tl.store(o_ptr + orow + c[None, None, :], out, mask=omask & (c < R)[None, None, :])
+    if SLOTS and not NORM and BLOCK_TAIL > 0:  # RoPE alone into a cache: the tail is copied
+        k2 = tl.arange(0, BLOCK_TAIL)
+        k2mask = (k2 < D - R)[None, None, :]
+        xt2 = tl.load(x_ptr + row + R + k2[None, None, :], mask=rmask & k2mask, other=0.0)
+        tl.store(o_ptr + orow + R + k2[None, None, :], xt2, mask=omask & k2mask)
 
 
 @triton.jit
@@ -129,11 +160,15 @@ def _rope_kernel(x_ptr, xw_ptr, y_ptr, yw_ptr, pos_ptr, cs_ptr, T, P, cs_st0, cs
         if g >= NX_PROGS:
             _norm_rope_tile(y_ptr, yw_ptr, pos_ptr, cs_ptr, t0, (g - NX_PROGS) * BLOCK_HY, T, HY,
                             y_st_t, y_st_h, yw_st, pos_st, P, cs_st0, cs_st1, eps,
-                            D, R, BLOCK_HALF, BLOCK_TAIL, IS_NEOX, NORM, BLOCK_T, BLOCK_HY, OFF_64)
+                            y_ptr, pos_ptr, 0, 0, 1, 0, 0, 0,
+                            D, R, BLOCK_HALF, BLOCK_TAIL, IS_NEOX, NORM, BLOCK_T, BLOCK_HY, OFF_64,
+                            False)
         else:
             _norm_rope_tile(x_ptr, xw_ptr, pos_ptr, cs_ptr, t0, g * BLOCK_HX, T, HX,
                             x_st_t, x_st_h, xw_st, pos_st, P, cs_st0, cs_st1, eps,
-                            D, R, BLOCK_HALF, BLOCK_TAIL, IS_NEOX, NORM, BLOCK_T, BLOCK_HX, OFF_64)
+                            x_ptr, pos_ptr, 0, 0, 1, 0, 0, 0,
+                            D, R, BLOCK_HALF, BLOCK_TAIL, IS_NEOX, NORM, BLOCK_T, BLOCK_HX, OFF_64,
+                            False)
     else:
         layer = g // NXB
         hb = g - layer * NXB
@@ -141,8 +176,51 @@ def _rope_kernel(x_ptr, xw_ptr, y_ptr, yw_ptr, pos_ptr, cs_ptr, T, P, cs_st0, cs
             layer = layer.to(tl.int64)
         _norm_rope_tile(x_ptr + layer * x_st_l, xw_ptr + layer * xw_st_l, pos_ptr, cs_ptr, t0,
                         hb * BLOCK_HX, T, HX, x_st_t, x_st_h, xw_st, pos_st, P, cs_st0, cs_st1,
-                        eps, D, R, BLOCK_HALF, BLOCK_TAIL, IS_NEOX, NORM, BLOCK_T, BLOCK_HX,
-                        OFF_64)
+                        eps, x_ptr, pos_ptr, 0, 0, 1, 0, 0, 0,
+                        D, R, BLOCK_HALF, BLOCK_TAIL, IS_NEOX, NORM, BLOCK_T, BLOCK_HX,
+                        OFF_64, False)
+
+
+@triton.jit
+def _rope_store_kernel(q_ptr, qw_ptr, k_ptr, kw_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, cs_ptr,
+                       slot_ptr, T, P, cs_st0, cs_st1, pos_st, slot_st, n_slots, bs, eps,
+                       HQ, HKV, NQB, NKB, q_st_t, q_st_h, qw_st, k_st_t, k_st_h, kw_st,
+                       v_st_t, v_st_h, kc_st_b, kc_st_r, kc_st_h, vc_st_b, vc_st_r, vc_st_h,
+                       D: tl.constexpr, R: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                       BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr, IS_NEOX: tl.constexpr,
+                       NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                       BLOCK_HK: tl.constexpr, OFF_64: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    # qk_norm_rope_store_: axis 1 = q's head blocks (in place), then k's (into k_cache), then
+    # v's (copied into v_cache); tokens whose slot is outside [0, n_slots) store nothing.
+    t0 = tl.program_id(0) * BLOCK_T
+    g = tl.program_id(1)
+    if g < NQB:
+        _norm_rope_tile(q_ptr, qw_ptr, pos_ptr, cs_ptr, t0, g * BLOCK_HQ, T, HQ, q_st_t, q_st_h,
+                        qw_st, pos_st, P, cs_st0, cs_st1, eps, q_ptr, slot_ptr, 0, 0, 1, 0, 0, 0,
+                        D, R, BLOCK_HALF, BLOCK_TAIL, IS_NEOX, NORM, BLOCK_T, BLOCK_HQ, OFF_64,
+                        False)
+    elif g < NQB + NKB:
+        _norm_rope_tile(k_ptr, kw_ptr, pos_ptr, cs_ptr, t0, (g - NQB) * BLOCK_HK, T, HKV,
+                        k_st_t, k_st_h, kw_st, pos_st, P, cs_st0, cs_st1, eps, kc_ptr, slot_ptr,
+                        slot_st, n_slots, bs, kc_st_b, kc_st_r, kc_st_h,
+                        D, R, BLOCK_HALF, BLOCK_TAIL, IS_NEOX, NORM, BLOCK_T, BLOCK_HK, OFF_64,
+                        True)
+    else:
+        t = t0 + tl.arange(0, BLOCK_T)
+        h = (g - NQB - NKB) * BLOCK_HK + tl.arange(0, BLOCK_HK)
+        dd = tl.arange(0, BLOCK_D)
+        tmask = t < T
+        crow, ok = _slot_rows(slot_ptr, slot_st, n_slots, bs, vc_st_b, vc_st_r, t, tmask)
+        m = (ok[:, None] & (h < HKV)[None, :])[:, :, None] & (dd < D)[None, None, :]
+        if OFF_64:
+            row = t.to(tl.int64)[:, None] * v_st_t + h.to(tl.int64)[None, :] * v_st_h
+        else:
+            row = t[:, None] * v_st_t + h[None, :] * v_st_h
+        orow = crow[:, None] + h.to(tl.int64)[None, :] * vc_st_h
+        x = tl.load(v_ptr + row[:, :, None] + dd[None, None, :], mask=m, other=0.0)
+        tl.store(vc_ptr + orow[:, :, None] + dd[None, None, :], x, mask=m)
 
 
 def config(d: int, heads):
@@ -199,6 +277,36 @@ def _launch(x, xw, y, yw, positions, cos_sin_cache, eps, is_neox, norm):
         **pdl_kwargs(x.device))
 
 
+def qk_norm_rope_store_(q, k, v, q_weight, k_weight, positions, cos_sin_cache, eps, is_neox,
+                        k_cache, v_cache, slot_mapping) -> None:
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    if t == 0:
+        return
+    norm = q_weight is not None
+    r = cos_sin_cache.shape[1]
+    block_half = triton.next_power_of_2(r // 2)
+    block_tail = triton.next_power_of_2(d - r) if r < d else 0
+    block_t, (block_hq, block_hk), num_warps = config(2 * block_half + block_tail, [hq, hkv])
+    nqb, nkb = triton.cdiv(hq, block_hq), triton.cdiv(hkv, block_hk)
+    span = max(_span(q, (block_t, block_hq, d)), _span(k, (block_t, block_hk, d)),
+               _span(v, (block_t, block_hk, d)))
+    qw, kw = (q_weight, k_weight) if norm else (q, q)  # no weights: never read
+    bs = k_cache.shape[1]
+    _rope_store_kernel[(triton.cdiv(t, block_t), nqb + 2 * nkb)](
+        q, qw, k, kw, v, k_cache, v_cache, positions, cos_sin_cache, slot_mapping, t,
+        cos_sin_cache.shape[0], cos_sin_cache.stride(0), cos_sin_cache.stride(1),
+        positions.stride(0), slot_mapping.stride(0), k_cache.shape[0] * bs, bs, eps,
+        hq, hkv, nqb, nkb, q.stride(0), q.stride(1), qw.stride(0) if norm else 0,
+        k.stride(0), k.stride(1), kw.stride(0) if norm else 0, v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        D=d, R=r, BLOCK_HALF=block_half, BLOCK_TAIL=block_tail,
+        BLOCK_D=triton.next_power_of_2(d), IS_NEOX=bool(is_neox), NORM=norm, BLOCK_T=block_t,
+        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, OFF_64=span >= _INDEX_32_MAX,
+        num_warps=num_warps, **pdl_kwargs(q.device))
+
+
 def rope_(x, positions, cos_sin_cache, is_neox) -> None:
     _launch(x.unsqueeze(1), None, None, None, positions, cos_sin_cache, 0.0, is_neox, False)
 
@@ -214,3 +322,4 @@ def knorm_rope_(k, k_weight, positions, cos_sin_cache, eps, is_neox) -> None:
 dispatch.register_backend("rope_", "triton", rope_)
 dispatch.register_backend("qk_norm_rope_", "triton", qk_norm_rope_)
 dispatch.register_backend("knorm_rope_", "triton", knorm_rope_)
+dispatch.register_backend("qk_norm_rope_store_", "triton", qk_norm_rope_store_)
