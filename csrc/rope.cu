@@ -1,5 +1,5 @@
-// Rotary embedding: rope_, qk_norm_rope_, knorm_rope_ (references: dflash_ops/ops/rope.py) and
-// qk_norm_rope_store_ (dflash_ops/ops/kv.py).
+// Rotary embedding: rope_, qk_norm_rope_, knorm_rope_, qk_norm_rope_store_ (references:
+// dflash_ops/ops/rope.py).
 //
 //   rope_          x[T, Hx, D]                        rotated in place
 //   qk_norm_rope_  q[T, Hq, D], k[T, Hkv, D]          per-head RMSNorm, then rotation; one launch
@@ -415,7 +415,7 @@ void qk_norm_rope_store_(at::Tensor& q, const at::Tensor& k, const at::Tensor& v
                          at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping) {
   constexpr const char* op = "qk_norm_rope_store_";
   // q: [T, Hq, D]; k, v: [T, Hkv, D]; q_weight, k_weight: [D] or both None; caches
-  // [num_blocks, block_size, Hkv, D]; slot_mapping: [T] int64 (the order of ops/kv.py)
+  // [num_blocks, block_size, Hkv, D]; slot_mapping: [T] int64 (the order of ops/rope.py)
   check_heads(op, "q", q, 3, nullptr);
   const at::Device device = q.device();
   check_heads(op, "k", k, 3, &device);

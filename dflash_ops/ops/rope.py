@@ -1,10 +1,15 @@
-"""Rotary embedding ops: ``rope_``, ``qk_norm_rope_``, ``knorm_rope_``.
+"""Rotary embedding ops: ``rope_``, ``qk_norm_rope_``, ``knorm_rope_``, ``qk_norm_rope_store_``.
 
 ``cos_sin_cache[P, R]`` (fp32) holds, for position p, ``[cos(p*f_0..f_{R/2-1}), sin(...)]``; the
 rotary acts on the first R dims of each head (R < D: partial rotary). NeoX style rotates the two
 halves ``(x[i], x[i + R/2])``; GPT-J style rotates adjacent pairs ``(x[2i], x[2i+1])``.
 A position outside ``[0, P)`` leaves that token unrotated (the norm, if any, still applies);
 ``DFLASH_OPS_DEBUG=1`` turns it into an error.
+
+``qk_norm_rope_store_`` is a decoder layer's step after its QKV GEMM in one launch:
+``qk_norm_rope_`` on q (in place) and k, then ``store_kv_`` (ops/kv.py: caches, slots) of that
+k and of v, so k and v are read once and k is never written back (with no weights, ``rope_``
+instead of the norms).
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from . import _checks as C
 from ._samples import EPS, META, P, Maker, cos_sin, positions, rnd, set_, strided_last, to
 from .norm import rms_norm_ref
 
-__all__ = ["rope_", "qk_norm_rope_", "knorm_rope_", "make_cos_sin_cache"]
+__all__ = ["rope_", "qk_norm_rope_", "knorm_rope_", "qk_norm_rope_store_", "make_cos_sin_cache"]
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
 
@@ -154,6 +159,79 @@ dispatch.define_op(
         "knorm_rope_", positions, cache))
 
 
+# qk_norm_rope_store_ -----------------------------------------------------------------------
+def _check_qkrs(q, k, v, q_weight, k_weight, positions, cos_sin_cache, eps, is_neox, k_cache,
+                v_cache, slot_mapping):
+    op = "qk_norm_rope_store_"
+    _check_heads(op, "q", q, 3)
+    _check_heads(op, "k", k, 3, device=q.device)
+    C.same_dtype(op, "k", k, "q", q)
+    t, d = q.shape[0], q.shape[-1]
+    if k.shape[0] != t or k.shape[2] != d:
+        C.fail(op, f"k must be [T={t}, Hkv, D={d}] like q, got {list(k.shape)}")
+    C.tensor(op, "v", v, shape=tuple(k.shape), device=q.device, last_contiguous=True)
+    C.same_dtype(op, "v", v, "q", q)
+    if (q_weight is None) != (k_weight is None):
+        C.fail(op, "q_weight and k_weight must both be given (QK-norm) or both be None (RoPE "
+                   f"alone), got q_weight {'None' if q_weight is None else 'a tensor'} and "
+                   f"k_weight {'None' if k_weight is None else 'a tensor'}")
+    if q_weight is not None:
+        for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+            C.tensor(op, name, w, shape=(d,), device=q.device)
+            C.same_dtype(op, name, w, "q", q)
+    C.eps(op, eps)
+    _check_pos(op, positions, cos_sin_cache, t, d, q.device)
+    hkv = k.shape[1]
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        C.tensor(op, name, c, rank=4, dtype=q.dtype, device=q.device, last_contiguous=True)
+        if c.shape[2] != hkv or c.shape[3] != d:
+            C.fail(op, f"{name} must be [num_blocks, block_size, {hkv}, {d}] (Hkv, D of k), "
+                       f"got {list(c.shape)}")
+    if v_cache.shape[:2] != k_cache.shape[:2]:
+        C.fail(op, f"v_cache must have the [num_blocks, block_size] of k_cache "
+                   f"{list(k_cache.shape[:2])}, got {list(v_cache.shape[:2])}")
+    C.index_vector(op, "slot_mapping", slot_mapping, t, q.device)
+
+
+def _qkrs_ref(q, k, v, q_weight, k_weight, positions, cos_sin_cache, eps, is_neox, k_cache,
+              v_cache, slot_mapping):
+    from .kv import store_kv_ref  # (ops/kv.py imports this module)
+    if q_weight is not None:
+        qn, kn = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
+    else:
+        qn, kn = q, k
+    kr = rope_values(kn, positions, cos_sin_cache, is_neox)
+    q.copy_(rope_values(qn, positions, cos_sin_cache, is_neox))
+    store_kv_ref(kr[:, None], v[:, None], [k_cache], [v_cache], slot_mapping)
+
+
+def _debug_qkrs(q, k, v, wq, wk, positions, cos_sin_cache, eps, is_neox, k_cache, v_cache,
+                slot_mapping):
+    from .kv import _debug_slots
+    _debug_positions("qk_norm_rope_store_", positions, cos_sin_cache)
+    _debug_slots("qk_norm_rope_store_", slot_mapping, k_cache)
+
+
+# Default triton (as qk_norm_rope_'s: a graph-replayed launch is shorter than the C++ kernel's
+# at decode sizes); eager calls take the C++ kernel (less host time).
+dispatch.define_op(
+    "qk_norm_rope_store_(Tensor(a!) q, Tensor k, Tensor v, Tensor? q_weight, Tensor? k_weight, "
+    "Tensor positions, Tensor cos_sin_cache, float eps, bool is_neox, Tensor(b!) k_cache, "
+    "Tensor(c!) v_cache, Tensor slot_mapping) -> ()",
+    validate=_check_qkrs, reference=_qkrs_ref, fake=lambda *a: None, default="triton",
+    eager="cuda", debug_check=_debug_qkrs)
+
+
+def qk_norm_rope_store_(q, k, v, q_weight, k_weight, positions, cos_sin_cache, eps, is_neox,
+                        k_cache, v_cache, slot_mapping) -> None:
+    """q[T, Hq, D] <- RoPE(RMSNorm(q) * q_weight) in place; the paged caches' rows at
+    ``slot_mapping`` (-1 skipped) <- RoPE(RMSNorm(k) * k_weight) and v (k, v [T, Hkv, D] are not
+    written). q_weight = k_weight = None: RoPE alone (no QK-norm)."""
+    torch.ops.dflash.qk_norm_rope_store_.default(q, k, v, q_weight, k_weight, positions,
+                                                 cos_sin_cache, eps, is_neox, k_cache, v_cache,
+                                                 slot_mapping)
+
+
 def rope_(x, positions, cos_sin_cache, is_neox=True) -> None:
     """In place: rotary embedding on x[T, H, D] at ``positions``."""
     torch.ops.dflash.rope_.default(x, positions, cos_sin_cache, is_neox)
@@ -194,6 +272,16 @@ def samples(device, dtype) -> dict:
                     positions=m.positions(5), cos_sin_cache=m.cos_sin(rotary_dim), eps=EPS,
                     is_neox=is_neox)
 
+    def qkrs(norm, is_neox, rotary_dim, head_major, seed):
+        m = Maker(seed, device, dtype)
+        qkv = m.rnd(5, 12, 64)  # q, k and v: views of one fused QKV output
+        kc, vc = m.caches(1, 4, 4, 2, 64, head_major)
+        return dict(q=qkv[:, :8], k=qkv[:, 8:10], v=qkv[:, 10:12],
+                    q_weight=m.rnd(64) if norm else None, k_weight=m.rnd(64) if norm else None,
+                    positions=m.positions(5), cos_sin_cache=m.cos_sin(rotary_dim), eps=EPS,
+                    is_neox=is_neox, k_cache=kc[0], v_cache=vc[0],
+                    slot_mapping=m.ints([0, 5, -1, 14, 3]))
+
     return {
         "rope_": {"neox": rope(True, 64), "gptj": rope(False, 64, seed=8),
                   "neox-partial": rope(True, 32, seed=9),
@@ -201,6 +289,8 @@ def samples(device, dtype) -> dict:
         "qk_norm_rope_": {"neox": qk(True, 64), "gptj-partial": qk(False, 32, seed=11)},
         "knorm_rope_": {"gptj-strided": knorm(False, 64),
                         "neox-partial-strided": knorm(True, 32, seed=12)},
+        "qk_norm_rope_store_": {"norm-neox": qkrs(True, True, 64, False, 15),
+                                "rope-gptj-partial-head-major": qkrs(False, False, 32, True, 16)},
     }
 
 
@@ -208,7 +298,33 @@ def bad_samples() -> dict:
     """Bad-input cases per op, as [(case name, mutation, argument the error names)]: each mutation
     breaks one argument of the op's first sample case (see ``_samples``)."""
     I32, BF16, F32 = torch.int32, torch.bfloat16, torch.float32
+    qkrs = [
+        ("q-rank2", set_(q=rnd(5, 64)), "q"),
+        ("q-int", to("q", dtype=I32), "q"),
+        ("k-T-differs", set_(k=rnd(4, 2, 64)), "k"),
+        ("k-head_dim-differs", set_(k=rnd(5, 2, 32)), "k"),
+        ("k-bf16", to("k", dtype=BF16), "k"),
+        ("v-shape", set_(v=rnd(5, 1, 64)), "v"),
+        ("v-bf16", to("v", dtype=BF16), "v"),
+        ("v-last-stride", set_(v=strided_last(5, 2, 64)), "v"),
+        ("k_weight-missing", set_(k_weight=None), "k_weight"),
+        ("q_weight-shape", set_(q_weight=rnd(32)), "q_weight"),
+        ("k_weight-meta", to("k_weight", device=META), "k_weight"),
+        ("eps-negative", set_(eps=-1.0), "eps"),
+        ("positions-len", set_(positions=positions(6)), "positions"),
+        ("positions-int32", to("positions", dtype=I32), "positions"),
+        ("cache-odd-cols", set_(cos_sin_cache=rnd(P, 31)), "cos_sin_cache"),
+        ("k_cache-Hkv", set_(k_cache=rnd(4, 4, 4, 64)), "k_cache"),
+        ("k_cache-rank3", set_(k_cache=rnd(16, 2, 64)), "k_cache"),
+        ("k_cache-bf16", to("k_cache", dtype=BF16), "k_cache"),
+        ("v_cache-D", set_(v_cache=rnd(4, 4, 2, 32)), "v_cache"),
+        ("v_cache-block_size", set_(v_cache=rnd(4, 8, 2, 64)), "v_cache"),
+        ("v_cache-meta", to("v_cache", device=META), "v_cache"),
+        ("slot_mapping-int32", to("slot_mapping", dtype=I32), "slot_mapping"),
+        ("slot_mapping-len", set_(slot_mapping=torch.arange(4)), "slot_mapping"),
+    ]
     return {
+        "qk_norm_rope_store_": qkrs,
         "rope_": [
             ("x-rank2", set_(x=rnd(5, 64)), "x"),
             ("x-rank4", set_(x=rnd(5, 1, 4, 64)), "x"),
