@@ -216,8 +216,10 @@ def test_linear_glu_is_silu_mul_then_linear_gpu(monkeypatch, m, split, tma):
     n, k = 4096, 12288  # Qwen3-8B's down_proj
     cfg = (16 if m <= 16 else 64, 64, 128, 8, 4, 4, tma, False, split)
     monkeypatch.setattr(L, "TABLE", {(n, k): {L.m_bucket(m): cfg}})
+    monkeypatch.setattr(L, "TABLE_GPU", None)  # the table holds on this GPU, whichever it is
     x = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16) * 2
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+    assert L.choice(m, n, k, x.dtype, x.device, graph=True) == cfg  # the fused path runs
     tc._tile_counters(x.device, 1)
     g, got = dispatch.capture_graph(lambda: L.linear_glu(x, w))
     for _ in range(2):

@@ -283,10 +283,13 @@ def check_glu_proj(device, dtypes=INTERP_DTYPES):
     from dflash_ops.triton import context as tc
     cfgs = [tc.ProjCfg(16, 32, 32, 8, 4, 2, False, False),
             tc.ProjCfg(16, 32, 32, 8, 4, 2, False, False, 3),
-            tc.ProjCfg(16, 16, 16, 2, 4, 2, False, False, 2, True)]
+            tc.ProjCfg(16, 16, 16, 2, 4, 2, False, False, 2, True),
+            tc.ProjCfg(16, 32, 32, 8, 4, 2, True, False),  # TMA (fp16, 16-byte rows)
+            tc.ProjCfg(16, 32, 32, 8, 4, 2, True, False, 3)]
     gen = torch.Generator().manual_seed(17)
     for dtype in dtypes:
-        for t, h, n in ((1, 96, 40), (7, 100, 64), (33, 64, 24)):
+        # H 104: the last BLOCK_K step of the gate runs past H (TMA reads the up part there)
+        for t, h, n in ((1, 96, 40), (7, 100, 64), (33, 64, 24), (5, 104, 48)):
             x = (torch.randn(t, 2 * h, generator=gen) * 2).to(dtype).to(device)
             w = (torch.randn(n, h, generator=gen) * h ** -0.5).to(dtype).to(device)
             # the interpreter's exp is numpy's (not libdevice's): compare with silu_mul's

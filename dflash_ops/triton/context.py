@@ -88,8 +88,8 @@ def _gemm_tile(x_ptr, w_ptr, b_ptr, rows, cols, m0, n0, T, N, H, x_st_m, x_st_k,
     # w_ptr are tensor descriptors (blocks [BLOCK_M, BLOCK_K] / [BLOCK_N, BLOCK_K], out-of-range
     # elements read as zero); else pointers, out-of-range rows/cols read row/col 0 (masked at
     # the store) so that only K needs masks. GLU: x is [T, 2H] (gate | up) and the A operand is
-    # silu_mul(x)'s values, formed a BLOCK_K step at a time (past H the up part reads zero, or
-    # is masked, and w reads zero).
+    # silu_mul(x)'s values, formed a BLOCK_K step at a time (past H: the gate zeroed, the up
+    # part read as zero or masked, w read as zero).
     k = tl.arange(0, BLOCK_K)
     cmask = cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -102,7 +102,8 @@ def _gemm_tile(x_ptr, w_ptr, b_ptr, rows, cols, m0, n0, T, N, H, x_st_m, x_st_k,
         if TMA:
             a = x_ptr.load([m0, k0])
             b = w_ptr.load([n0, k0])
-            if GLU:
+            if GLU:  # past H the descriptor reads the up part: zeroed (silu(0) * u = 0)
+                a = tl.where((k0 + k < H)[None, :], a, tl.zeros_like(a))
                 a = _glu(a, x_ptr.load([m0, k0 + H]), LIBDEVICE_EXP)
         elif EVEN_K:
             a = tl.load(a_ptrs)
@@ -183,7 +184,8 @@ def _slice_acc(x_ptr, w_ptr, rows, cols, m0, n0, k_lo, k_hi, T, N, H, x_st_m, x_
         if TMA:
             a = x_ptr.load([m0, k0])
             b = w_ptr.load([n0, k0])
-            if GLU:
+            if GLU:  # past H the descriptor reads the up part: zeroed (silu(0) * u = 0)
+                a = tl.where((k0 + k < H)[None, :], a, tl.zeros_like(a))
                 a = _glu(a, x_ptr.load([m0, k0 + H]), LIBDEVICE_EXP)
         else:
             kmask = (k0 + k) < k_hi
