@@ -153,11 +153,12 @@ __global__ void __launch_bounds__(kBlock, (NU == 1 && V > 1 && !STORE) ? 5 : 1)
     if (to_cache) {
       if (slot < 0 || slot >= p.dst.n_slots) return;  // padding, or past the cache
       const int64_t block = slot / p.dst.block_size, brow = slot - block * p.dst.block_size;
-      Bits* const vdst = static_cast<Bits*>(p.dst.vc) +
-                         (block * p.dst.vc_block + brow * p.dst.vc_row + int64_t(i) * p.dst.vc_head);
+      const StoreDst& s = p.dst;
+      Bits* const vdst = static_cast<Bits*>(s.vc) +
+                         (block * s.vc_block + brow * s.vc_row + int64_t(i) * s.vc_head);
       store_units(vdst, lu, vrow);
-      Bits* const kdst = static_cast<Bits*>(p.dst.kc) +
-                         (block * p.dst.kc_block + brow * p.dst.kc_row + int64_t(i) * p.dst.kc_head);
+      Bits* const kdst = static_cast<Bits*>(s.kc) +
+                         (block * s.kc_block + brow * s.kc_row + int64_t(i) * s.kc_head);
       rotate_store_units<E>(p.rope, lu, pos, rot, cur, kdst);
       return;
     }

@@ -1,6 +1,6 @@
 """The standalone-op tables of the context K/V suite (``bench.context_kv``): ``knorm_rope_``,
-``qk_norm_rope_``, ``qk_norm_rope_store_`` and ``store_kv_``, our backends against the baselines, and the inputs the
-context_kv_ tables share (caches, slots, positions).
+``qk_norm_rope_``, ``qk_norm_rope_store_`` and ``store_kv_``, our backends against the
+baselines, and the inputs the context_kv_ tables share (caches, slots, positions).
 
 Shapes: the Qwen3-8B drafter (L 5, Hkv 8, D 128) and gpt-oss-20b-DFlash (L 8, Hkv 8, D 64); the
 QKV buffer has Hq = 32 for both; T = 1 ... 16384 tokens; bf16; NeoX rotary over the whole head,

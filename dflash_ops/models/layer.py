@@ -5,11 +5,12 @@ Per layer: the input RMSNorm (``rms_norm`` for the first layer, then ``fused_add
 which also adds the previous layer's MLP output into the residual stream ``x``); one GEMM
 against the fused ``[q; k; v]`` weight; ``qk_norm_rope_store_`` (per-head RMSNorm of q and k,
 then RoPE, or RoPE alone without QK-norm (Llama); q in place, the new K/V written at the
-tokens' cache slots, one launch); ``block_attention`` of the new tokens over the request's cached keys (the
-new ones included); ``o_proj``; ``fused_add_rms_norm_`` (residual add + post-attention norm);
-the SwiGLU MLP (``silu_mul`` between the fused gate/up GEMM and down: ``linear_glu``, which
-forms silu_mul's values inside down's Triton GEMM where that GEMM runs). The MLP output is
-returned, not added: the caller adds it (the next layer's input norm, a tap, the final norm).
+tokens' cache slots, one launch); ``block_attention`` of the new tokens over the request's
+cached keys (the new ones included); ``o_proj``; ``fused_add_rms_norm_`` (residual add +
+post-attention norm); the SwiGLU MLP (``silu_mul`` between the fused gate/up GEMM and down:
+``linear_glu``, which forms silu_mul's values inside down's Triton GEMM where that GEMM runs).
+The MLP output is returned, not added: the caller adds it (the next layer's input norm, a tap,
+the final norm).
 
 DFlash 2 layers also hold two grouped dynamic convolutions (``Conv``): ``attention_conv`` on the
 normed input of the attention (``prepare``) and on its output, ``mlp_conv`` the same around the
