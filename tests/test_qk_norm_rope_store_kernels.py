@@ -152,3 +152,33 @@ def test_cuda_graph(backend, norm):
             assert torch.equal(_bits(qkv), _bits(eq)), f"{what}: q differs from the eager run"
             for b, eb in zip(bufs, ebufs):
                 assert torch.equal(_bits(b), _bits(eb)), f"{what}: caches differ from eager"
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_huge_slot_numbers(backend):
+    """num_blocks * block_size >= 2^31 (64-bit slot math) without the memory: caches whose
+    block stride is 0 (every block aliases block 0), so slot s lands on row s % block_size;
+    the expected caches: the reference into a one-block cache at slots s % block_size (-1 for
+    the ones past the cache)."""
+    _need(OP, backend)
+    nb, bs, hq, hkv, d, dtype = 2**30, 16, 4, 2, 64, FP16
+    slots = torch.tensor([2**31 + 3, -1, 5 * 2**31 + 7, nb * bs, 2**33 + 12, nb * bs - 1],
+                         device=DEV)
+    t = len(slots)
+    small = torch.where((slots >= 0) & (slots < nb * bs), slots % bs, -1)
+    qkv = _rand((t, hq + 2 * hkv, d), dtype, scale=3.0)
+    q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    wq, wk = _weight(d, dtype), _weight(d, dtype)
+    pos, cos_sin, _ = _table(t, d, False)
+    base = _rand((2, 1, bs, hkv, d), dtype)
+    want, want32 = base.clone(), base.float()
+    qd, q32 = q.clone(), _f32(q)
+    _run(OP, "torch", qd, k, v, wq, wk, pos, cos_sin, EPS, True, want[0], want[1], small)
+    _run(OP, "torch", q32, _f32(k), _f32(v), wq.float(), wk.float(), pos, cos_sin, EPS, True,
+         want32[0], want32[1], small)
+    kc, vc = (base[i].expand(nb, bs, hkv, d) for i in range(2))
+    _run(OP, backend, q, k, v, wq, wk, pos, cos_sin, EPS, True, kc, vc, slots)
+    what = f"{backend} {OP} slots past 2^31"
+    _check_close(q, qd, q32, what + " (q)")
+    _check_close(base[0], want[0], want32[0], what + " (k_cache)")
+    assert torch.equal(_bits(base[1]), _bits(want[1])), f"{what}: v_cache differs"

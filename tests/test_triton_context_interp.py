@@ -311,6 +311,7 @@ elif what == "qk_norm_rope_store_":  # the GPU test's cases in fp16 / fp32, T <=
     for c in tq.CASES:
         if c[0] <= 257 and c[6] != torch.bfloat16:
             tq.test_qk_norm_rope_store("triton", *c)
+    tq.test_huge_slot_numbers("triton")
     trope._INDEX_32_MAX = 0  # the 64-bit offset variant
     tq.test_qk_norm_rope_store("triton", *tq.CASES[1])
 elif what == "store_kv_":
