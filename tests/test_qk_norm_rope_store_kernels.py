@@ -9,6 +9,7 @@ RoPE alone, bf16/fp16/fp32, caches as separate tensors and as vLLM's nhd / hnd v
 q, k and v are slices of one fused QKV output. Checks: q (in place) and the cache rows written
 with k within tests/test_rope_kernels.py's tolerance rule of the reference; the v rows bit for
 bit; every cache element of a slot not written, and k and v themselves, unchanged bit for bit.
+positions and slot_mapping are strided views (element stride 2).
 """
 from __future__ import annotations
 
@@ -50,6 +51,14 @@ def _params():
             for c in CASES]
 
 
+def _strided(idx: torch.Tensor) -> torch.Tensor:
+    """idx as a view with element stride 2 (the other elements a valid-looking 3: a kernel
+    that ignores the stride reads them)."""
+    buf = torch.full((2 * idx.numel(),), 3, dtype=idx.dtype, device=idx.device)
+    buf[::2] = idx
+    return buf[::2]
+
+
 def _written(slots: torch.Tensor, nb: int, bs: int) -> torch.Tensor:
     """[nb, bs] bool: the cache rows the op may write (slots in [0, nb * bs))."""
     m = torch.zeros(nb * bs, dtype=torch.bool, device=DEV)
@@ -74,6 +83,7 @@ def test_qk_norm_rope_store(backend, t, hq, hkv, d, r, neox, dtype, norm, layout
     pos, cos_sin, _ = _table(t, r, oob)
     nb = -(-(t * 3 // 2 + 8) // bs)  # room for every token and untouched slots
     slots = _slots(t, nb * bs, slot_kind)
+    pos, slots = _strided(pos), _strided(slots)  # index tensors with element stride 2
     bufs = _cache_buffers(layout, 1, nb, bs, hkv, d, dtype)
     bufs0 = [b.clone() for b in bufs]
     ref = [b.clone() for b in bufs]

@@ -39,12 +39,12 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import dispatch
 from ._pdl import pdl_kwargs
 from . import kv as _kv
+from .act import silu_mul_values
 from .norm import rms_norm as _rms_norm
 
 _NUM_SMS = 132  # H200; only used to size skinny-T tiles
@@ -65,18 +65,6 @@ def _tile_ids(pid, NUM_M, NUM_N, GROUP_M: tl.constexpr):
     pid_m = first_m + (pid % in_group) % size_m
     pid_n = (pid % in_group) // size_m
     return pid_m, pid_n
-
-
-@triton.jit
-def _glu(g, u, LIBDEVICE_EXP: tl.constexpr):
-    # silu_mul's values (triton/act.py: the same operations and roundings): T(T(silu(g)) * u)
-    gf = g.to(tl.float32)
-    if LIBDEVICE_EXP:
-        e = libdevice.exp(-gf)
-    else:
-        e = tl.exp(-gf)
-    s = tl.math.div_rn(gf, 1.0 + e).to(g.dtype)
-    return (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
 
 
 @triton.jit
@@ -104,19 +92,19 @@ def _gemm_tile(x_ptr, w_ptr, b_ptr, rows, cols, m0, n0, T, N, H, x_st_m, x_st_k,
             b = w_ptr.load([n0, k0])
             if GLU:  # past H the descriptor reads the up part: zeroed (silu(0) * u = 0)
                 a = tl.where((k0 + k < H)[None, :], a, tl.zeros_like(a))
-                a = _glu(a, x_ptr.load([m0, k0 + H]), LIBDEVICE_EXP)
+                a = silu_mul_values(a, x_ptr.load([m0, k0 + H]), LIBDEVICE_EXP)
         elif EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
             if GLU:
-                a = _glu(a, tl.load(a_ptrs + H * x_st_k), LIBDEVICE_EXP)
+                a = silu_mul_values(a, tl.load(a_ptrs + H * x_st_k), LIBDEVICE_EXP)
         else:
             kmask = (k0 + k) < H
             a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=kmask[None, :], other=0.0)
             if GLU:
-                a = _glu(a, tl.load(a_ptrs + H * x_st_k, mask=kmask[None, :], other=0.0),
-                         LIBDEVICE_EXP)
+                u = tl.load(a_ptrs + H * x_st_k, mask=kmask[None, :], other=0.0)
+                a = silu_mul_values(a, u, LIBDEVICE_EXP)
         if a.dtype == tl.float32:  # fp32 in, fp32 math (no TF32)
             acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
         else:
@@ -186,14 +174,14 @@ def _slice_acc(x_ptr, w_ptr, rows, cols, m0, n0, k_lo, k_hi, T, N, H, x_st_m, x_
             b = w_ptr.load([n0, k0])
             if GLU:  # past H the descriptor reads the up part: zeroed (silu(0) * u = 0)
                 a = tl.where((k0 + k < H)[None, :], a, tl.zeros_like(a))
-                a = _glu(a, x_ptr.load([m0, k0 + H]), LIBDEVICE_EXP)
+                a = silu_mul_values(a, x_ptr.load([m0, k0 + H]), LIBDEVICE_EXP)
         else:
             kmask = (k0 + k) < k_hi
             a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=kmask[None, :], other=0.0)
             if GLU:
-                a = _glu(a, tl.load(a_ptrs + H * x_st_k, mask=kmask[None, :], other=0.0),
-                         LIBDEVICE_EXP)
+                u = tl.load(a_ptrs + H * x_st_k, mask=kmask[None, :], other=0.0)
+                a = silu_mul_values(a, u, LIBDEVICE_EXP)
             a_ptrs += BLOCK_K * x_st_k
             b_ptrs += BLOCK_K * w_st_k
         if a.dtype == tl.float32:  # fp32 in, fp32 math (no TF32)
