@@ -127,6 +127,7 @@ def test_triton_path_matches_f_linear_gpu(monkeypatch, m):
     n, k = 4096, 1024
     cfg = (16 if m <= 16 else 64, 32, 128, 8, 4, 3, True, False)
     monkeypatch.setattr(L, "TABLE", {(n, k): {L.m_bucket(m): cfg}})
+    monkeypatch.setattr(L, "TABLE_GPU", None)  # this table holds on any GPU
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
@@ -186,6 +187,7 @@ def test_split_k_path_matches_f_linear_gpu(monkeypatch, m, split, tma):
     n, k = 1280, 5120  # DFlash 2's kernel projection
     cfg = (16 if m <= 16 else 64, 32, 128, 8, 4, 3, tma, False, split)
     monkeypatch.setattr(L, "TABLE", {(n, k): {L.m_bucket(m): cfg}})
+    monkeypatch.setattr(L, "TABLE_GPU", None)  # this table holds on any GPU
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
