@@ -56,7 +56,8 @@
 #            bench_attention with COMPARE_ATTN_ARGS, default the splits table at five shapes) of
 #            the tree in .old (an older commit, carried; built in place) and of this tree,
 #            alternating old/new twice (COMPARE_SUITES=ctx: this tree's ctx_probe.py over each
-#            side's package, context_kv_'s epilogue), so a
+#            side's package, context_kv_'s epilogue; attn: attn_probe.py, block_attention at
+#            decode / verify shapes), so a
 #            change's speed is compared within one call (drift between calls is ~4%); OLD_DIR
 #            names another place for the old tree (e.g. one built earlier outside the checkout)
 # Set DFLASH_OPS_COMMIT (the device copy has no .git) so result files name the commit; compare
@@ -349,9 +350,10 @@ if [ "$what" = compare ]; then
           attention) extra=${COMPARE_ATTN_ARGS:---no-flex --tables splits --cases 1x1024,1x32768,8x4096,32x4096,1x131072} ;;
           *) extra="--quick" ;;
         esac
-        if [ $suite = ctx ]; then  # context_kv_'s epilogue (ctx_probe.py), PDL as set
+        if [ $suite = ctx ] || [ $suite = attn ]; then  # this tree's probe over either side
+          probe=ctx_probe.py; [ $suite = attn ] && probe=attn_probe.py
           (cd "$dir" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \
-            timeout 120 python3 "$root/benchmarks/ctx_probe.py" \
+            timeout 120 python3 "$root/benchmarks/$probe" \
             > "$OUT/cmp_${suite}_${side}_${round}.log" 2>&1)
         else
           # shellcheck disable=SC2086
@@ -361,7 +363,8 @@ if [ "$what" = compare ]; then
         fi
         echo "== $suite $side ($commit) round $round: $(( $(date +%s) - t0 )) s"
         if [ $suite = attention ]; then grep -E "^B=" "$OUT/cmp_${suite}_${side}_${round}.log" | head -40
-        elif [ $suite = ctx ]; then grep -E "^\|" "$OUT/cmp_${suite}_${side}_${round}.log"
+        elif [ $suite = ctx ] || [ $suite = attn ]; then
+          grep -E "^\||rror" "$OUT/cmp_${suite}_${side}_${round}.log"
         else grep -A10 "^summary" "$OUT/cmp_${suite}_${side}_${round}.log" | head -12; fi
       done
     done

@@ -1,0 +1,85 @@
+"""block_attention at the target's decode and verify shapes (issue 19's attention part; issue 17
+times the drafter's 16-query blocks): Qwen3-8B's attention (Hq 32, Hkv 8, D 128, bf16, pages of
+16 keys), one query a request (decode) and 16 (verify / draft), CUDA kernel, CUDA-graph replay
+over enough input sets (distinct pages of one cache) that K/V does not stay in L2.
+
+    python benchmarks/attn_probe.py        # ~30 s; gpu_check.sh compare (COMPARE_SUITES=attn)
+                                           # runs this file over an old and a new package
+
+Each case is first checked against the torch reference (2 bf16 ulps of the largest value).
+The floor column is K/V bytes over the copy rate measured in the same run.
+"""
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+HQ, HKV, D, BLOCK = 32, 8, 128, 16
+CASES = ((1, 1024, 1), (1, 8192, 1), (1, 32768, 1), (8, 1024, 1), (8, 8192, 1), (32, 1024, 1),
+         (32, 8192, 1), (1, 1024, 16), (8, 4096, 16))  # (B, keys a request, queries a request)
+ROTATE_BYTES = 256 << 20  # K/V bytes the input sets span at least (several L2s)
+
+
+def main() -> int:
+    if importlib.util.find_spec("dflash_ops") is None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import torch
+
+    import dflash_ops
+    from dflash_ops.bench.harness import measure_floors, time_fn
+
+    if not torch.cuda.is_available():
+        print("attn_probe: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dev, dt = "cuda", torch.bfloat16
+    floors = measure_floors()
+    copy = floors["copy_GBps"]
+    print(f"attn_probe: {torch.cuda.get_device_name()}, torch {torch.__version__}; Hq {HQ}, "
+          f"Hkv {HKV}, D {D}, bf16, pages of {BLOCK}; copy {copy:.0f} GB/s")
+    print("| B x S | queries a request | sets | us | floor us | x floor |")
+    print("|---|---|---|---|---|---|")
+    g = torch.Generator(device=dev).manual_seed(0)
+    scale = 1 / math.sqrt(D)
+    for b, s, ql in CASES:
+        blocks = b * (s // BLOCK)
+        kv_bytes = 2 * b * s * HKV * D * 2
+        sets = max(1, min(32, -(-ROTATE_BYTES // kv_bytes)))
+        nb = sets * blocks
+        kc = torch.randn(nb, BLOCK, HKV, D, device=dev, generator=g).to(dt)
+        vc = torch.randn(nb, BLOCK, HKV, D, device=dev, generator=g).to(dt)
+        perm = torch.randperm(nb, device=dev, generator=g).to(torch.int32)
+        sl = torch.full((b,), s, dtype=torch.int32, device=dev)
+        qsl = torch.arange(0, b * ql + 1, ql, dtype=torch.int32, device=dev)
+        args = []
+        for i in range(sets):
+            table = perm[i * blocks:(i + 1) * blocks].view(b, s // BLOCK)
+            q = torch.randn(b * ql, HQ, D, device=dev, generator=g).to(dt)
+            args.append((q, table, torch.empty_like(q)))
+
+        def call(q, table, out, backend="cuda"):
+            with dflash_ops.use_backend(backend, ops=["block_attention_out_"]):
+                dflash_ops.block_attention(q, kc, vc, table, sl, qsl, scale, False, -1, None,
+                                           out=out)
+
+        q, table, out = args[0]
+        want = torch.empty_like(q)
+        call(q, table, want, "torch")
+        call(q, table, out)
+        torch.cuda.synchronize()
+        err = (out.float() - want.float()).abs().max().item()
+        tol = 2 * 2 ** -7 * max(1.0, want.float().abs().max().item())
+        if not err <= tol:
+            print(f"attn_probe: {b} x {s}: max error {err:.3e} > {tol:.3e} against the torch "
+                  f"reference", file=sys.stderr)
+            return 1
+        us = time_fn(call, rotate=args, graph=True)["us"]
+        floor = kv_bytes / (copy * 1e3)
+        print(f"| {b} x {s} | {ql} | {sets} | {us:.2f} | {floor:.2f} | {us / floor:.2f} |",
+              flush=True)
+        del kc, vc, args, want
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
