@@ -207,34 +207,6 @@ def test_split_k_path_matches_f_linear_gpu(monkeypatch, m, split, tma):
     assert all(int(c.abs().sum()) == 0 for c in tc._COUNTERS.values())
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,split,tma", [(1, 4, True), (8, 4, True), (16, 1, True),
-                                         (5, 3, False), (40, 1, False)])
-def test_linear_glu_is_silu_mul_then_linear_gpu(monkeypatch, m, split, tma):
-    """linear_glu (the down projection reading gate | up) under graph replay, with the table's
-    Triton launch for down (split-K or not, TMA or pointers): bit for bit silu_mul, then the
-    same launch; eager (cuBLAS after silu_mul) and exact mode too."""
-    from dflash_ops.triton import context as tc
-    n, k = 4096, 12288  # Qwen3-8B's down_proj
-    cfg = (16 if m <= 16 else 64, 64, 128, 8, 4, 4, tma, False, split)
-    monkeypatch.setattr(L, "TABLE", {(n, k): {L.m_bucket(m): cfg}})
-    monkeypatch.setattr(L, "TABLE_GPU", None)  # the table holds on this GPU, whichever it is
-    x = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16) * 2
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
-    assert L.choice(m, n, k, x.dtype, x.device, graph=True) == cfg  # the fused path runs
-    tc._tile_counters(x.device, 1)
-    g, got = dispatch.capture_graph(lambda: L.linear_glu(x, w))
-    for _ in range(2):
-        x.copy_(torch.randn_like(x) * 2)
-        g.replay()
-        want = torch.empty_like(got)
-        tc.launch_proj(torch.ops.dflash.silu_mul(x), w, None, want, tc.ProjCfg(*cfg))
-        assert torch.equal(got, want)
-    assert torch.equal(L.linear_glu(x, w), F.linear(torch.ops.dflash.silu_mul(x), w))  # eager
-    assert torch.equal(L.linear_glu(x, w, exact=True),
-                       L.linear(torch.ops.dflash.silu_mul(x), w, exact=True))
-
-
 def test_sweep_times_the_skinny_plans_that_fill_the_gpu():
     """benchmarks/sweep_linear.py's plans for the skinny kernel (DFLASH_OPS_SKINNY_PLAN values):
     grids of half an SM each up to eight CTAs an SM, both U, every MT / KG family that fits,

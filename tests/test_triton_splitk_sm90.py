@@ -16,7 +16,7 @@ import pytest
 CASES = [(True, False), (True, True), (False, False), (False, True)]
 
 
-def _compile(tma: bool, ones: bool, serial: bool = False, pdl: bool = False, glu: bool = False):
+def _compile(tma: bool, ones: bool, serial: bool = False, pdl: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -24,7 +24,7 @@ def _compile(tma: bool, ones: bool, serial: bool = False, pdl: bool = False, glu
     from dflash_ops.triton import context as tc
     fn = tc._proj_splitk_kernel
     consts = dict(SPLIT=4, SERIAL=serial, TMA=tma, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=32,
-                  BLOCK_K=128, GROUP_M=8, GLU=glu, LIBDEVICE_EXP=True, PDL=pdl)
+                  BLOCK_K=128, GROUP_M=8, PDL=pdl)
     if ones:
         consts.update(T=1, NUM_M=1, NUM_N=1, x_st_k=1, w_st_k=1, b_st=1)
     ptrs = {"x_ptr": "tensordesc<bf16[16, 128]>" if tma else "*bf16",
@@ -76,16 +76,3 @@ def test_splitk_kernel_as_a_programmatic_dependent():
                                                      "cp.async")) if i >= 0)
     assert wait < first, "a global access before the wait"
     assert "griddepcontrol" not in _compile(False, True).asm["ptx"]
-
-
-@pytest.mark.parametrize("tma", [True, False])
-def test_glu_splitk_compiles_for_sm90(tma):
-    """GLU (the down projection reading silu_mul's values from gate | up): the silu is
-    libdevice's expf and an IEEE division (silu_mul's operations), two loads of x a step."""
-    pytest.importorskip("triton.backends.nvidia", reason="triton without its CUDA backend")
-    k = _compile(tma, True, glu=True)
-    ptx = k.asm["ptx"]
-    assert "div.rn.f32" in ptx, "silu's division is not IEEE (div.rn)"
-    assert "ex2.approx" in ptx  # libdevice's expf is built on it, with its range reduction
-    plain = _compile(tma, True).asm["ptx"]
-    assert "div.rn.f32" not in plain, "GLU code in the plain kernel"

@@ -7,8 +7,7 @@ against the fused ``[q; k; v]`` weight; ``qk_norm_rope_store_`` (per-head RMSNor
 then RoPE, or RoPE alone without QK-norm (Llama); q in place, the new K/V written at the
 tokens' cache slots, one launch); ``block_attention`` of the new tokens over the request's
 cached keys (the new ones included); ``o_proj``; ``fused_add_rms_norm_`` (residual add +
-post-attention norm); the SwiGLU MLP (``silu_mul`` between the fused gate/up GEMM and down:
-``linear_glu``, which forms silu_mul's values inside down's Triton GEMM where that GEMM runs).
+post-attention norm); the SwiGLU MLP (``silu_mul`` between the fused gate/up GEMM and down).
 The MLP output is returned, not added: the caller adds it (the next layer's input norm, a tap,
 the final norm).
 
@@ -27,7 +26,7 @@ from typing import Optional
 import torch
 
 from .. import ops  # noqa: F401  (defines torch.ops.dflash.*)
-from .linear import linear, linear_glu
+from .linear import linear
 
 OPS = torch.ops.dflash
 
@@ -185,7 +184,7 @@ class DecoderLayer:
         else:
             OPS.fused_add_rms_norm_(o, x, self.post_ln, eps)  # x += o; o = norm(x)
         if self.mlp_conv is None:  # down(silu(gate) * up)
-            return linear_glu(linear(o, self.gate_up, None, ex), self.down, ex)
+            return linear(OPS.silu_mul(linear(o, self.gate_up, None, ex)), self.down, None, ex)
         o, mlp_dyn = self.mlp_conv.prepare(o, t.conv_block, ex)
-        out = linear_glu(linear(o, self.gate_up, None, ex), self.down, ex)
+        out = linear(OPS.silu_mul(linear(o, self.gate_up, None, ex)), self.down, None, ex)
         return Pending(out, mlp_dyn, self.mlp_conv, t.conv_block)

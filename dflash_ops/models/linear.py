@@ -286,26 +286,3 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None,
     from ..triton.context import ProjCfg, kv_proj  # here: triton may be absent off CUDA
 
     return kv_proj(x2, w, b, cfg=ProjCfg(*cfg)).view(*lead, n)
-
-
-def linear_glu(x: torch.Tensor, w: torch.Tensor, exact: bool = False) -> torch.Tensor:
-    """``linear(silu_mul(x), w, None, exact)`` for x [..., 2I] (gate | up) and w [N, I]: the
-    SwiGLU MLP's down projection. Where ``linear`` would run the Triton GEMM (the table's
-    launch in a captured call, or exact mode's), that GEMM reads gate and up and forms
-    silu_mul's values in its operand loads (``triton.context.glu_proj``): the same bits
-    without the silu_mul launch and its [rows, I] round trip through memory; elsewhere
-    silu_mul, then ``linear``."""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    m, (n, k) = x2.shape[0], w.shape
-    cfg = None
-    if m and x2.shape[1] == 2 * k and w.dtype == x.dtype:
-        if exact:
-            cfg = exact_config(m, n, k, x.device) if exact_runs(x.dtype, x.device) else None
-        else:
-            cfg = choice(m, n, k, x.dtype, x.device)
-    if cfg is None or cfg == CUDA_CFG:
-        return linear(torch.ops.dflash.silu_mul(x), w, None, exact)
-    from ..triton.context import ProjCfg, glu_proj  # here: triton may be absent off CUDA
-
-    return glu_proj(x2, w, cfg=ProjCfg(*cfg)).view(*lead, n)

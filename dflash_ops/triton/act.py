@@ -29,19 +29,6 @@ _MAX_BLOCK_I = 1024
 
 
 @triton.jit
-def silu_mul_values(g, u, LIBDEVICE_EXP: tl.constexpr):
-    """T(T(silu(g)) * u) in fp32 math (module docstring); also the A operand of the down
-    projection's GLU GEMM (triton/context.py), which must give these bits."""
-    gf = g.to(tl.float32)
-    if LIBDEVICE_EXP:
-        e = libdevice.exp(-gf)
-    else:
-        e = tl.exp(-gf)
-    s = tl.math.div_rn(gf, 1.0 + e).to(g.dtype)
-    return (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
-
-
-@triton.jit
 def _silu_mul_kernel(x_ptr, y_ptr, n_rows, I, row_stride,
                      BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
                      OFF_64: tl.constexpr, PDL: tl.constexpr):
@@ -60,7 +47,13 @@ def _silu_mul_kernel(x_ptr, y_ptr, n_rows, I, row_stride,
     g_ptrs = x_ptr + x_row[:, None] + cols[None, :]
     g = tl.load(g_ptrs, mask=mask, other=0.0)
     u = tl.load(g_ptrs + I, mask=mask, other=0.0)
-    y = silu_mul_values(g, u, LIBDEVICE_EXP)
+    gf = g.to(tl.float32)
+    if LIBDEVICE_EXP:
+        e = libdevice.exp(-gf)
+    else:
+        e = tl.exp(-gf)
+    s = tl.math.div_rn(gf, 1.0 + e).to(g.dtype)
+    y = (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
     tl.store(y_ptr + y_row[:, None] + cols[None, :], y, mask=mask)
 
 

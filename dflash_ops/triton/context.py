@@ -44,7 +44,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .. import dispatch
 from ._pdl import pdl_kwargs
 from . import kv as _kv
-from .act import silu_mul_values
 from .norm import rms_norm as _rms_norm
 
 _NUM_SMS = 132  # H200; only used to size skinny-T tiles
@@ -70,14 +69,11 @@ def _tile_ids(pid, NUM_M, NUM_N, GROUP_M: tl.constexpr):
 @triton.jit
 def _gemm_tile(x_ptr, w_ptr, b_ptr, rows, cols, m0, n0, T, N, H, x_st_m, x_st_k, w_st_n,
                w_st_k, b_st, TMA: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-               GLU: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     # acc[BLOCK_M, BLOCK_N] = x[rows, :] @ w[cols, :]^T (+ bias[cols]) in fp32. TMA: x_ptr and
     # w_ptr are tensor descriptors (blocks [BLOCK_M, BLOCK_K] / [BLOCK_N, BLOCK_K], out-of-range
     # elements read as zero); else pointers, out-of-range rows/cols read row/col 0 (masked at
-    # the store) so that only K needs masks. GLU: x is [T, 2H] (gate | up) and the A operand is
-    # silu_mul(x)'s values, formed a BLOCK_K step at a time (past H: the gate zeroed, the up
-    # part read as zero or masked, w read as zero).
+    # the store) so that only K needs masks.
     k = tl.arange(0, BLOCK_K)
     cmask = cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -90,21 +86,13 @@ def _gemm_tile(x_ptr, w_ptr, b_ptr, rows, cols, m0, n0, T, N, H, x_st_m, x_st_k,
         if TMA:
             a = x_ptr.load([m0, k0])
             b = w_ptr.load([n0, k0])
-            if GLU:  # past H the descriptor reads the up part: zeroed (silu(0) * u = 0)
-                a = tl.where((k0 + k < H)[None, :], a, tl.zeros_like(a))
-                a = silu_mul_values(a, x_ptr.load([m0, k0 + H]), LIBDEVICE_EXP)
         elif EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
-            if GLU:
-                a = silu_mul_values(a, tl.load(a_ptrs + H * x_st_k), LIBDEVICE_EXP)
         else:
             kmask = (k0 + k) < H
             a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=kmask[None, :], other=0.0)
-            if GLU:
-                u = tl.load(a_ptrs + H * x_st_k, mask=kmask[None, :], other=0.0)
-                a = silu_mul_values(a, u, LIBDEVICE_EXP)
         if a.dtype == tl.float32:  # fp32 in, fp32 math (no TF32)
             acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
         else:
@@ -121,14 +109,13 @@ def _gemm_tile(x_ptr, w_ptr, b_ptr, rows, cols, m0, n0, T, N, H, x_st_m, x_st_k,
 def _kv_proj_tile(tile, x_ptr, w_ptr, b_ptr, out_ptr, T, N, H, x_st_m, x_st_k, w_st_n, w_st_k,
                   b_st, o_st_m, NUM_M, NUM_N, TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, GLU: tl.constexpr,
-                  LIBDEVICE_EXP: tl.constexpr):
+                  GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
     pid_m, pid_n = _tile_ids(tile, NUM_M, NUM_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = _gemm_tile(x_ptr, w_ptr, b_ptr, rows, cols, pid_m * BLOCK_M, pid_n * BLOCK_N,
                      T, N, H, x_st_m, x_st_k, w_st_n, w_st_k, b_st, TMA, HAS_BIAS, BLOCK_M,
-                     BLOCK_N, BLOCK_K, EVEN_K, GLU, LIBDEVICE_EXP)
+                     BLOCK_N, BLOCK_K, EVEN_K)
     mask = (rows < T)[:, None] & (cols < N)[None, :]
     off = rows.to(tl.int64)[:, None] * o_st_m + cols[None, :]
     tl.store(out_ptr + off, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -139,7 +126,7 @@ def _kv_proj_kernel(x_ptr, w_ptr, b_ptr, out_ptr, T, N, H, x_st_m, x_st_k, w_st_
                     o_st_m, NUM_M, NUM_N, TMA: tl.constexpr, PERSISTENT: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                    GLU: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr):
+                    PDL: tl.constexpr):
     if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
         tl.extra.cuda.gdc_wait()
     # PERSISTENT: one program per SM walks the tiles (stride = grid size); else one per tile
@@ -147,20 +134,19 @@ def _kv_proj_kernel(x_ptr, w_ptr, b_ptr, out_ptr, T, N, H, x_st_m, x_st_k, w_st_
         for tile in tl.range(tl.program_id(0), NUM_M * NUM_N, tl.num_programs(0), flatten=True):
             _kv_proj_tile(tile, x_ptr, w_ptr, b_ptr, out_ptr, T, N, H, x_st_m, x_st_k, w_st_n,
                           w_st_k, b_st, o_st_m, NUM_M, NUM_N, TMA, HAS_BIAS, BLOCK_M, BLOCK_N,
-                          BLOCK_K, GROUP_M, EVEN_K, GLU, LIBDEVICE_EXP)
+                          BLOCK_K, GROUP_M, EVEN_K)
     else:
         _kv_proj_tile(tl.program_id(0), x_ptr, w_ptr, b_ptr, out_ptr, T, N, H, x_st_m, x_st_k,
                       w_st_n, w_st_k, b_st, o_st_m, NUM_M, NUM_N, TMA, HAS_BIAS, BLOCK_M,
-                      BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, GLU, LIBDEVICE_EXP)
+                      BLOCK_N, BLOCK_K, GROUP_M, EVEN_K)
 
 
 @triton.jit
-def _slice_acc(x_ptr, w_ptr, rows, cols, m0, n0, k_lo, k_hi, T, N, H, x_st_m, x_st_k, w_st_n,
+def _slice_acc(x_ptr, w_ptr, rows, cols, m0, n0, k_lo, k_hi, T, N, x_st_m, x_st_k, w_st_n,
                w_st_k, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, GLU: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
+               BLOCK_K: tl.constexpr):
     # x[rows, k_lo:k_hi] @ w[cols, k_lo:k_hi]^T in fp32, from zero, in BLOCK_K steps from k_lo
-    # (k_lo a multiple of BLOCK_K); loads as in _gemm_tile (TMA reads past H as zeros; GLU: the
-    # up part H columns further)
+    # (k_lo a multiple of BLOCK_K); loads as in _gemm_tile (TMA reads past H as zeros)
     k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if not TMA:
@@ -172,16 +158,10 @@ def _slice_acc(x_ptr, w_ptr, rows, cols, m0, n0, k_lo, k_hi, T, N, H, x_st_m, x_
         if TMA:
             a = x_ptr.load([m0, k0])
             b = w_ptr.load([n0, k0])
-            if GLU:  # past H the descriptor reads the up part: zeroed (silu(0) * u = 0)
-                a = tl.where((k0 + k < H)[None, :], a, tl.zeros_like(a))
-                a = silu_mul_values(a, x_ptr.load([m0, k0 + H]), LIBDEVICE_EXP)
         else:
             kmask = (k0 + k) < k_hi
             a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=kmask[None, :], other=0.0)
-            if GLU:
-                u = tl.load(a_ptrs + H * x_st_k, mask=kmask[None, :], other=0.0)
-                a = silu_mul_values(a, u, LIBDEVICE_EXP)
             a_ptrs += BLOCK_K * x_st_k
             b_ptrs += BLOCK_K * w_st_k
         if a.dtype == tl.float32:  # fp32 in, fp32 math (no TF32)
@@ -206,8 +186,7 @@ def _proj_splitk_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, T, N, H
                         x_st_k, w_st_n, w_st_k, b_st, o_st_m, NUM_M, NUM_N,
                         SPLIT: tl.constexpr, SERIAL: tl.constexpr, TMA: tl.constexpr,
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, GLU: tl.constexpr,
-                        LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
         tl.extra.cuda.gdc_wait()
     # K in SPLIT slices [s * KS, (s + 1) * KS) (KS a multiple of BLOCK_K); the tile's result is
@@ -228,15 +207,15 @@ def _proj_splitk_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, T, N, H
         for s in range(SPLIT):
             k_lo = s * KS
             total += _slice_acc(x_ptr, w_ptr, rows, cols, pid_m * BLOCK_M, pid_n * BLOCK_N,
-                                k_lo, tl.minimum(k_lo + KS, H), T, N, H, x_st_m, x_st_k, w_st_n,
-                                w_st_k, TMA, BLOCK_M, BLOCK_N, BLOCK_K, GLU, LIBDEVICE_EXP)
+                                k_lo, tl.minimum(k_lo + KS, H), T, N, x_st_m, x_st_k, w_st_n,
+                                w_st_k, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
         _split_store(total, b_ptr, out_ptr, rows, cols, T, N, b_st, o_st_m, HAS_BIAS)
     else:
         s = tl.program_id(1)
         k_lo = s * KS
         acc = _slice_acc(x_ptr, w_ptr, rows, cols, pid_m * BLOCK_M, pid_n * BLOCK_N, k_lo,
-                         tl.minimum(k_lo + KS, H), T, N, H, x_st_m, x_st_k, w_st_n, w_st_k, TMA,
-                         BLOCK_M, BLOCK_N, BLOCK_K, GLU, LIBDEVICE_EXP)
+                         tl.minimum(k_lo + KS, H), T, N, x_st_m, x_st_k, w_st_n, w_st_k, TMA,
+                         BLOCK_M, BLOCK_N, BLOCK_K)
         # partials: [SPLIT, NUM_M * BLOCK_M, NUM_N * BLOCK_N] fp32 (64-bit offsets); rows past
         # T neither written nor read (at M 1 a 16-row tile would move 16x the partial bytes)
         pn = NUM_N * BLOCK_N
@@ -292,7 +271,7 @@ def _context_tile(tile, x_ptr, w_ptr, b_ptr, kw_ptr, pos_ptr, cs_ptr, slot_ptr, 
     else:
         acc = _gemm_tile(x_ptr, w_ptr, b_ptr, rows, cols, pid_m * BLOCK_M, pid_n * D, T, N, H,
                          x_st_m, x_st_k, w_st_n, w_st_k, b_st, TMA, HAS_BIAS, BLOCK_M, D,
-                         BLOCK_K, EVEN_K, False, False)
+                         BLOCK_K, EVEN_K)
     dtype = kc_ptr.dtype.element_ty
     y = acc.to(dtype).to(tl.float32)  # the rounding of kv_proj_ref
 
@@ -497,15 +476,10 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     return buf
 
 
-def launch_proj(x, w_kv, bias, out, cfg: ProjCfg, glu: bool = False) -> None:
-    """out = x @ w_kv^T (+ bias) by ``cfg``; ``glu``: x is [T, 2H] (gate | up) and the GEMM's
-    input is silu_mul(x) [T, H], formed in the operand loads (bit for bit silu_mul's values)."""
+def launch_proj(x, w_kv, bias, out, cfg: ProjCfg) -> None:
     t, h = x.shape
-    if glu:
-        h //= 2
     n = w_kv.shape[0]
     tma = cfg.tma and tma_ok(x, w_kv)
-    glu_kw = dict(GLU=glu, LIBDEVICE_EXP=not dispatch._interpret())
     num_m, num_n = triton.cdiv(t, cfg.bm), triton.cdiv(n, cfg.bn)
     xo, wo = _operands(x, w_kv, cfg.bm, cfg.bn, cfg.bk, tma)
     b = bias if bias is not None else out
@@ -524,14 +498,14 @@ def launch_proj(x, w_kv, bias, out, cfg: ProjCfg, glu: bool = False) -> None:
             num_n, SPLIT=cfg.split, SERIAL=cfg.serial, TMA=tma, HAS_BIAS=bias is not None,
             BLOCK_M=cfg.bm,
             BLOCK_N=cfg.bn, BLOCK_K=cfg.bk, GROUP_M=cfg.gm, num_warps=cfg.warps,
-            num_stages=cfg.stages, **glu_kw, **pdl_kwargs(x.device))
+            num_stages=cfg.stages, **pdl_kwargs(x.device))
         return
     _kv_proj_kernel[(_grid(num_m * num_n, cfg.persistent, x.device),)](
         xo, wo, b, out, t, n, h, x.stride(0), x.stride(1), w_kv.stride(0), w_kv.stride(1),
         bias.stride(0) if bias is not None else 0, out.stride(0), num_m, num_n, TMA=tma,
         PERSISTENT=cfg.persistent, HAS_BIAS=bias is not None, BLOCK_M=cfg.bm, BLOCK_N=cfg.bn, BLOCK_K=cfg.bk,
         GROUP_M=cfg.gm, EVEN_K=h % cfg.bk == 0, num_warps=cfg.warps, num_stages=cfg.stages,
-        **glu_kw, **pdl_kwargs(x.device))
+        **pdl_kwargs(x.device))
 
 
 def kv_proj(x, w_kv, bias=None, *, cfg: Optional[ProjCfg] = None):
@@ -543,19 +517,6 @@ def kv_proj(x, w_kv, bias=None, *, cfg: Optional[ProjCfg] = None):
     if h == 0:
         return out.copy_(bias.expand(t, n)) if bias is not None else out.zero_()
     launch_proj(x, w_kv, bias, out, cfg or proj_config(t, n, h, x.element_size()))
-    return out
-
-
-def glu_proj(x, w, *, cfg: ProjCfg):
-    """silu_mul(x) @ w^T for x [T, 2H] (gate | up), w [N, H], without silu_mul's output (the
-    SwiGLU MLP's down projection; models.linear.linear_glu)."""
-    t, n = x.shape[0], w.shape[0]
-    out = torch.empty((t, n), dtype=x.dtype, device=x.device)
-    if t == 0 or n == 0:
-        return out
-    if w.shape[1] == 0:
-        return out.zero_()
-    launch_proj(x, w, None, out, cfg, glu=True)
     return out
 
 
