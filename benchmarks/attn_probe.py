@@ -5,10 +5,15 @@ over enough input sets (distinct pages of one cache) that K/V does not stay in L
 
     python benchmarks/attn_probe.py        # ~30 s; gpu_check.sh compare (COMPARE_SUITES=attn)
                                            # runs this file over an old and a new package
+    python benchmarks/attn_probe.py --split-keys 64,128,256   # also at fixed key splits
 
 Each case is first checked against the torch reference (2 bf16 ulps of the largest value).
-The floor column is K/V bytes over the copy rate measured in the same run.
+The floor column is K/V bytes over the copy rate measured in the same run. ``--split-keys``:
+one more column a value, the same call with ``split_keys`` (absolute splits of that many keys,
+ceil(S / value) of them, at most 32): how many splits the decode shapes want (the automatic
+count was tuned on 16-query blocks).
 """
+import argparse
 import importlib.util
 import math
 import sys
@@ -21,6 +26,13 @@ ROTATE_BYTES = 256 << 20  # K/V bytes the input sets span at least (several L2s)
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--split-keys", default="", metavar="N,N,...",
+                    help="also time split_keys = each value (multiples of 64)")
+    args_ = ap.parse_args()
+    split_keys = [int(v) for v in args_.split_keys.split(",") if v]
+    if any(v <= 0 or v % 64 for v in split_keys):
+        ap.error(f"--split-keys: positive multiples of 64, got {args_.split_keys}")
     if importlib.util.find_spec("dflash_ops") is None:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import torch
@@ -36,8 +48,9 @@ def main() -> int:
     copy = floors["copy_GBps"]
     print(f"attn_probe: {torch.cuda.get_device_name()}, torch {torch.__version__}; Hq {HQ}, "
           f"Hkv {HKV}, D {D}, bf16, pages of {BLOCK}; copy {copy:.0f} GB/s")
-    print("| B x S | queries a request | sets | us | floor us | x floor |")
-    print("|---|---|---|---|---|---|")
+    extra = "".join(f" split_keys {v} us |" for v in split_keys)
+    print(f"| B x S | queries a request | sets | us | floor us | x floor |{extra}")
+    print("|---|---|---|---|---|---|" + "---|" * len(split_keys))
     g = torch.Generator(device=dev).manual_seed(0)
     scale = 1 / math.sqrt(D)
     for b, s, ql in CASES:
@@ -56,10 +69,10 @@ def main() -> int:
             q = torch.randn(b * ql, HQ, D, device=dev, generator=g).to(dt)
             args.append((q, table, torch.empty_like(q)))
 
-        def call(q, table, out, backend="cuda"):
+        def call(q, table, out, backend="cuda", sk=0):
             with dflash_ops.use_backend(backend, ops=["block_attention_out_"]):
                 dflash_ops.block_attention(q, kc, vc, table, sl, qsl, scale, False, -1, None,
-                                           out=out)
+                                           sk, out=out)
 
         q, table, out = args[0]
         want = torch.empty_like(q)
@@ -74,7 +87,22 @@ def main() -> int:
             return 1
         us = time_fn(call, rotate=args, graph=True)["us"]
         floor = kv_bytes / (copy * 1e3)
-        print(f"| {b} x {s} | {ql} | {sets} | {us:.2f} | {floor:.2f} | {us / floor:.2f} |",
+        cols = ""
+        for v in split_keys:
+            if -(-s // v) > 32:
+                cols += " n/a (> 32 splits) |"
+                continue
+            call(q, table, out, sk=v)
+            torch.cuda.synchronize()
+            err = (out.float() - want.float()).abs().max().item()
+            if not err <= tol:
+                print(f"attn_probe: {b} x {s} split_keys {v}: max error {err:.3e} > {tol:.3e}",
+                      file=sys.stderr)
+                return 1
+            t = time_fn(lambda q, table, out: call(q, table, out, sk=v), rotate=args,
+                        graph=True)["us"]
+            cols += f" {t:.2f} |"
+        print(f"| {b} x {s} | {ql} | {sets} | {us:.2f} | {floor:.2f} | {us / floor:.2f} |{cols}",
               flush=True)
         del kc, vc, args, want
         torch.cuda.empty_cache()
