@@ -2,7 +2,7 @@
 # The one script run on the H200 (device tool): install (builds dflash_ops._C), info, check, the
 # GPU tests, the benchmarks. Logs and result tables go under $OUT (at most 8 files come back:
 # more are packed into $OUT/all.tgz at the end).
-# Usage: bash benchmarks/gpu_check.sh [build|fused|tests|sanitize|ncu|ncu-cases|vllm|vllm-counter|vllm-bench|dflash2|policy|bench|ctx|attn|linear|pdl-probe|ctx-probe|exact-probe|drafter|e2e|models|compare|profile|cmake|all]
+# Usage: bash benchmarks/gpu_check.sh [build|fused|tests|sanitize|ncu|ncu-cases|vllm|vllm-counter|vllm-bench|dflash2|policy|bench|ctx|attn|linear|pdl-probe|ctx-probe|exact-probe|argmax|drafter|e2e|models|compare|profile|cmake|all]
 #   all:     tests + bench + ctx; build: install, info and check only
 #   fused:   kv_proj's skinny cluster kernel: the GPU tests of the context kernels (-k cuda)
 #            and models.linear, ctx_probe (PDL on), then, where .vllm is carried, vLLM stock vs
@@ -46,6 +46,8 @@
 #            reports (issue 15's precompute part)
 #   exact-probe: benchmarks/exact_probe.py (PROBE_ARGS): which GEMM launches give exact mode's
 #            bits (issue 19: may exact mode change its tile with M and keep them?)
+#   argmax:  the row_argmax GPU tests, then benchmarks/argmax_probe.py: row_argmax (triton,
+#            cuda) vs torch.argmax at the loop's logits shapes (issue 19's greedy tokens)
 #   ncu-cases: Nsight Compute of one launch of each of benchmarks/ncu_cases.py's NCU_CASES
 #            (the DFlash 2 projection GEMM, o_proj, conv, top-k, ...): $OUT/ncu_<case>.ncu-rep,
 #            its details page as text, and each page's headline metrics and rule findings
@@ -381,6 +383,11 @@ fi
 if [ "$what" = exact-probe ]; then
   timeout 300 python3 benchmarks/exact_probe.py ${PROBE_ARGS:-} 2>&1 | tee "$OUT/exact_probe.log" \
     | grep -E "^[a-z_]+ N=|cuBLAS|exact rows"
+fi
+if [ "$what" = argmax ]; then
+  timeout 200 python3 -m pytest -q -m gpu tests/test_select_kernels.py -k argmax 2>&1 \
+    | tee "$OUT/pytest_argmax.log" | tail -3
+  timeout 200 python3 benchmarks/argmax_probe.py 2>&1 | tee "$OUT/argmax_probe.log"
 fi
 if [ "$what" = attn ]; then
   timeout 500 python3 benchmarks/bench_attention.py ${BENCH_ARGS:-} --out "$OUT/results" 2>&1 \

@@ -198,4 +198,9 @@ std::tuple<at::Tensor, at::Tensor> select_candidates(
 //   values by ascending index, NaN above +inf (dflash_ops/ops/select.py row_topk_ref).
 std::tuple<at::Tensor, at::Tensor> row_topk(const at::Tensor& z, int64_t k);
 
+// row_argmax(Tensor z) -> Tensor
+//   [M] int64: the first index of the maximum of each row of z [M, V] (V <= 2^24), NaN above
+//   +inf (torch.argmax's answer; dflash_ops/ops/select.py row_argmax_ref).
+at::Tensor row_argmax(const at::Tensor& z);
+
 }  // namespace dflash_ops

@@ -1,6 +1,6 @@
-// row_topk (dflash_ops/ops/select.py; the select family's second file, beside select.cu):
-// the k largest entries of each row of z [M, V], descending, equal values by ascending index,
-// NaN above +inf (the reference's stable sort).
+// row_topk and row_argmax (dflash_ops/ops/select.py; the select family's second file, beside
+// select.cu). row_topk: the k largest entries of each row of z [M, V], descending, equal values
+// by ascending index, NaN above +inf (the reference's stable sort). row_argmax: at the end.
 //
 // The Triton kernel's algorithm (dflash_ops/triton/select.py), four launches, chunks of kChunk
 // entries, one block of kThreads a chunk or a row:
@@ -226,6 +226,88 @@ void run(const TopkParams& p, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// row_argmax: z [M, V] in chunks of kArgChunk entries, a block per (row, chunk) takes its best
+// entry packed (so the first index wins ties, NaN above +inf), then a warp per row takes the
+// best of its chunks' and unpacks the index. A row of one chunk is done by the first kernel.
+constexpr int kArgThreads = 256;
+constexpr int kArgChunk = 4096;  // ARGMAX_CHUNK of dflash_ops/triton/select.py
+constexpr int kArgPer = kArgChunk / kArgThreads;
+constexpr int64_t kArgMaxV = int64_t{1} << 24;  // ARGMAX_MAX_V of dflash_ops/ops/select.py
+
+struct ArgmaxParams {
+  const void* z;     // [M, V], row stride `stride`, unit stride in V
+  int64_t stride, v;
+  int nch;
+  long long* part;   // [M, nch] packed entries (nch > 1)
+  int64_t* idx;      // [M]
+};
+
+template <class E>
+__global__ void __launch_bounds__(kArgThreads) argmax_chunk_kernel(const ArgmaxParams p) {
+  pdl_wait();  // launched as a programmatic dependent (common.cuh): the prior grid first
+  __shared__ long long s[kArgThreads / 32];
+  using Bits = typename E::Bits;
+  const int64_t m = blockIdx.x / p.nch, c = blockIdx.x % p.nch;
+  const Bits* row = static_cast<const Bits*>(p.z) + m * p.stride;
+  Bits raw[kArgPer] = {};
+#pragma unroll
+  for (int i = 0; i < kArgPer; ++i) {  // every load issued before the first compare
+    const int64_t col = c * kArgChunk + i * kArgThreads + threadIdx.x;
+    if (col < p.v) raw[i] = row[col];
+  }
+  long long best = kEmpty;
+#pragma unroll
+  for (int i = 0; i < kArgPer; ++i) {
+    const int64_t col = c * kArgChunk + i * kArgThreads + threadIdx.x;
+    if (col < p.v) {
+      const long long e = pack(E::to_float(raw[i]), col);
+      best = e > best ? e : best;
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const long long w = __shfl_xor_sync(0xffffffffu, best, o);
+    best = w > best ? w : best;
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) s[warp] = best;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    long long r = s[0];
+#pragma unroll
+    for (int w = 1; w < kArgThreads / 32; ++w) r = s[w] > r ? s[w] : r;
+    if (p.nch == 1) p.idx[m] = unpack_idx(r);
+    else p.part[m * p.nch + c] = r;
+  }
+}
+
+__global__ void __launch_bounds__(32) argmax_merge_kernel(const ArgmaxParams p) {
+  pdl_wait();  // launched as a programmatic dependent (common.cuh): the prior grid first
+  const int64_t m = blockIdx.x;
+  const long long* part = p.part + m * p.nch;
+  long long best = kEmpty;
+  for (int j = threadIdx.x; j < p.nch; j += 32) best = part[j] > best ? part[j] : best;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const long long w = __shfl_xor_sync(0xffffffffu, best, o);
+    best = w > best ? w : best;
+  }
+  if (threadIdx.x == 0) p.idx[m] = unpack_idx(best);
+}
+
+template <class E>
+void run_argmax(const ArgmaxParams& p, int64_t m, cudaStream_t stream) {
+  launch_kernel(argmax_chunk_kernel<E>, static_cast<unsigned>(m * p.nch), kArgThreads, 0, stream,
+                p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (p.nch > 1) {
+    launch_kernel(argmax_merge_kernel, static_cast<unsigned>(m), 32, 0, stream, p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> row_topk(const at::Tensor& z, int64_t k) {
@@ -271,9 +353,46 @@ std::tuple<at::Tensor, at::Tensor> row_topk(const at::Tensor& z, int64_t k) {
   return {vals, idx};
 }
 
+
+at::Tensor row_argmax(const at::Tensor& z) {
+  constexpr const char* op = "row_argmax";
+  // the order and messages of dflash_ops/ops/select.py _check_argmax
+  check_cuda(op, "z", z);
+  check_rank(op, "z", z, 2);
+  check_float(op, "z", z);
+  check_last_dim(op, "z", z);
+  const int64_t m = z.size(0), v = z.size(1);
+  TORCH_CHECK_VALUE(v >= 1 && v <= kArgMaxV, "dflash.", op, ": z must have 1 to ", kArgMaxV,
+                    " entries a row (its last dim), got shape [", m, ", ", v, "]");
+  at::Tensor idx = at::empty({m}, z.options().dtype(at::kLong));
+  if (m == 0) return idx;
+  const int64_t nch = (v + kArgChunk - 1) / kArgChunk;
+  TORCH_CHECK_VALUE(m * nch <= std::numeric_limits<int32_t>::max(), "dflash.", op,
+                    ": M x ceil(V / ", kArgChunk, ") = ", m * nch,
+                    " chunks is more than one launch takes; use the triton backend");
+  const c10::cuda::CUDAGuard guard(z.device());
+  at::Tensor part;
+  if (nch > 1) part = at::empty({m, nch}, z.options().dtype(at::kLong));
+  ArgmaxParams p{};
+  p.z = z.data_ptr();
+  p.stride = z.stride(0);
+  p.v = v;
+  p.nch = static_cast<int>(nch);
+  p.part = nch > 1 ? reinterpret_cast<long long*>(part.data_ptr<int64_t>()) : nullptr;
+  p.idx = idx.data_ptr<int64_t>();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(z.get_device()).stream();
+  switch (z.scalar_type()) {
+    case at::kBFloat16: run_argmax<BF16>(p, m, stream); break;
+    case at::kHalf: run_argmax<F16>(p, m, stream); break;
+    default: run_argmax<F32>(p, m, stream); break;
+  }
+  return idx;
+}
+
 }  // namespace dflash_ops
 
 static void register_kernels(torch::Library& m) {
   m.impl("row_topk", TORCH_FN(dflash_ops::row_topk));
+  m.impl("row_argmax", TORCH_FN(dflash_ops::row_argmax));
 }
 DFLASH_OPS_REGISTER_CUDA(register_kernels)

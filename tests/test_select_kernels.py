@@ -5,6 +5,9 @@ on its own random weights. Sampled: q is softmax(score / T) of the scores writte
 and the draws follow q (chi-square over many uniforms). The Triton kernel against the reference
 under TRITON_INTERPRET=1 (fp32 / fp16; k and rank not powers of two; candidate and anchor ids
 outside the vocabulary) and on the GPU.
+
+``row_topk`` and ``row_argmax``: the references against torch.topk / torch.argmax, the kernels
+against the references, bit for bit, on ties, infinities, signed zeros and NaNs.
 """
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ import torch
 from tests.conftest import run_interpreted
 
 from dflash_ops import dispatch
-from dflash_ops.ops.select import (TOPK_MAX, row_topk, row_topk_ref, select_candidates,
+from dflash_ops.ops.select import (ARGMAX_MAX_V, TOPK_MAX, argmax_last, row_argmax,
+                                   row_argmax_ref, row_topk, row_topk_ref, select_candidates,
                                    select_candidates_ref)
 
 
@@ -265,3 +269,101 @@ def test_topk_graph_replay_gpu(backend):
         g.replay()
         want = row_topk_ref(z, k)
         assert torch.equal(idx, want[1]) and torch.equal(vals, want[0])
+
+
+# ----------------------------------------------------------------------------- row_argmax
+def test_argmax_reference_is_torch_argmax():
+    for i, g in enumerate(TOPK_GRID):
+        z, _ = topk_case(**g, seed=60 + i)
+        assert torch.equal(row_argmax_ref(z), z.argmax(-1)), g  # CPU torch.argmax: NaN wins
+    z = torch.tensor([[1.0, 3.0, 3.0, 0.0],           # ties: the first maximum
+                      [-0.0, 0.0, -1.0, -0.0],        # signed zeros tie
+                      [float("-inf")] * 4,            # every entry -inf: index 0
+                      [2.0, float("inf"), float("nan"), float("nan")],  # the first NaN
+                      [float("nan"), 1.0, float("inf"), 0.0]])
+    assert row_argmax_ref(z).tolist() == [1, 0, 0, 2, 0]
+    assert row_argmax_ref(z.to(torch.bfloat16)).tolist() == [1, 0, 0, 2, 0]
+    assert row_argmax_ref(torch.empty(0, 5)).shape == (0,)
+    assert argmax_last(torch.randn(2, 3, 7)).shape == (2, 3)  # leading dims kept
+
+
+def test_argmax_rejects_too_wide_rows():
+    z = torch.empty(1, ARGMAX_MAX_V + 1, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"row_argmax.*\bz\b.*1 to"):
+        row_argmax(z)
+
+
+ARGMAX_GRID = [dict(m=3, v=97, k=1, ties=True), dict(m=2, v=5000, k=1),
+               dict(m=1, v=16, k=1, infs=True), dict(m=4, v=4096, k=1),  # one whole chunk
+               dict(m=2, v=4097, k=1, ties=True, infs=True), dict(m=1, v=1, k=1),
+               dict(m=2, v=40000, k=1), dict(m=3, v=30000, k=1, ties=True, infs=True),
+               dict(m=1, v=20000, k=1, flat=True),  # every entry ties: index 0
+               dict(m=2, v=9000, k=1, zeros=True), dict(m=2, v=30000, k=1, nans=True)]
+GPU_ARGMAX_GRID = ARGMAX_GRID + [dict(m=15, v=151936, k=1), dict(m=1, v=151936, k=1),
+                                 dict(m=64, v=248320, k=1, ties=True),
+                                 dict(m=960, v=151936, k=1, ties=True)]
+
+
+def argmax_case(g, dtype, seed, device):
+    z, _ = topk_case(**g, dtype=dtype, seed=seed, device=device)
+    if g.get("flat") is None and z.shape[1] > 8:  # the maximum in the last chunk, tied earlier
+        z[:, -1] = z.max() + 1 if not z.isnan().any() else z[:, -1]
+        z[:, z.shape[1] // 3] = z[:, -1]
+    return z
+
+
+def check_argmax(device, dtypes, grid=ARGMAX_GRID, backend="triton"):
+    for dtype in dtypes:
+        for i, g in enumerate(grid):
+            z = argmax_case(g, dtype, 70 + i, device)
+            want = row_argmax_ref(z)
+            with dispatch.use_backend(backend, ops=("row_argmax",)):
+                got = row_argmax(z)
+            assert got.dtype == torch.long and got.shape == (z.shape[0],)
+            assert torch.equal(got, want), f"row_argmax {backend} {dtype} {g}"
+
+
+_ARGMAX_SCRIPT = r"""
+import torch
+import tests.test_select_kernels as t
+t.check_argmax("cpu", (torch.float32, torch.float16))
+print("interp-ok")
+"""
+
+
+def test_argmax_triton_kernel_under_interpreter():
+    run_interpreted(_ARGMAX_SCRIPT, timeout=600)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_argmax_kernel_gpu(backend):
+    if not dispatch.has_backend("row_argmax", backend):
+        pytest.fail(f"no {backend} kernel for row_argmax (is dflash_ops._C built?)")
+    check_argmax("cuda", (torch.float32, torch.bfloat16, torch.float16), GPU_ARGMAX_GRID,
+                 backend)
+    # torch.argmax on the GPU gives the same answer (finite values, ties included)
+    z = argmax_case(dict(m=33, v=151936, k=1, ties=True), torch.bfloat16, 5, "cuda")
+    with dispatch.use_backend(backend, ops=("row_argmax",)):
+        assert torch.equal(row_argmax(z), z.argmax(-1))
+        # a strided z (rows of a wider buffer, the LM head's logits view), 3-D through
+        # argmax_last
+        wide = torch.randn(5, 3000, device="cuda")
+        assert torch.equal(row_argmax(wide[:, 7:2999]), row_argmax_ref(wide[:, 7:2999]))
+        z3 = torch.randn(2, 7, 5000, device="cuda", dtype=torch.bfloat16)
+        assert torch.equal(argmax_last(z3), row_argmax_ref(z3.reshape(14, 5000)).view(2, 7))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_argmax_graph_replay_gpu(backend):
+    z = argmax_case(dict(m=15, v=151936, k=1), torch.bfloat16, 1, "cuda")
+    with dispatch.use_backend(backend, ops=("row_argmax",)):
+        row_argmax(z)  # compile before capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            idx = row_argmax(z)
+    for seed in (2, 3):
+        z.copy_(argmax_case(dict(m=15, v=151936, k=1), torch.bfloat16, seed, "cuda"))
+        g.replay()
+        assert torch.equal(idx, row_argmax_ref(z))

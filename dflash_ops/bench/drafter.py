@@ -124,7 +124,7 @@ CACHE_BLOCK = 16  # rows of a paged cache block
 SEED = 0
 BF16 = torch.bfloat16
 OPS_USED = ("context_kv_", "rms_norm", "fused_add_rms_norm_", "qk_norm_rope_", "store_kv_",
-            "block_attention")
+            "block_attention", "row_argmax")
 
 SUMMARY = "summary: us per step (graph x floor = ours graph / floor)"
 REF_NAME = "reference eager (dflash DFlashDraftModel)"

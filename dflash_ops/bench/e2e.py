@@ -78,6 +78,7 @@ from .e2e_report import (
     E2EResults, case_label, case_memory_bytes, progress, report, round_up, step_costs,
     step_floors, summary_row,
 )
+from ..ops.select import argmax_last
 from .harness import Results, measure_floors
 
 CASES = [(b, s) for s in (1024, 8192) for b in (1, 8, 32, 64)]
@@ -323,7 +324,7 @@ def measure_case(target, drafter, batch: int, context: int, *, rep_ms: float,
 
     def decode_graph():  # a greedy decode step: forward + argmax
         return dispatch.capture_graph(
-            lambda: target.forward(ids, ra, st, ones, None, fp32_logits=False)[0].argmax(-1))[0]
+            lambda: argmax_last(target.forward(ids, ra, st, ones, None, fp32_logits=False)[0]))[0]
 
     vstep, vbucket = verify_step()
     dgraph = decode_graph()

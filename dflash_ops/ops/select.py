@@ -26,10 +26,11 @@ from .. import dispatch
 from . import _checks as C
 from ._samples import META, Maker, rnd, set_, to
 
-__all__ = ["select_candidates", "row_topk"]
+__all__ = ["select_candidates", "row_topk", "row_argmax"]  # (argmax_last: a helper, not an op)
 
 _OP = "select_candidates"
 _TOPK = "row_topk"
+_ARGMAX = "row_argmax"
 TOPK_MAX = 64  # the kernels' largest k (DFlash 2's top_k is 16)
 
 
@@ -150,6 +151,56 @@ def row_topk(z: torch.Tensor, k: int):
     return torch.ops.dflash.row_topk.default(z, int(k))
 
 
+# ----------------------------------------------------------------------------- row_argmax
+# The greedy token of each logits row: ``torch.argmax``'s job, which reads [15, 151936] bf16 in
+# 11 us on the H200 (0.4 TB/s: a draft step's LM-head rows) and [960, 151936] in 168 us (1.7
+# TB/s; benchmarks/NOTES.md, session 31). The same answer as torch.argmax, made explicit so
+# that every backend returns it: the first index of the row's maximum, NaN above +inf (the
+# first NaN wins), -0.0 equal to +0.0.
+ARGMAX_MAX_V = 1 << 24  # the kernels merge a row's 4096-entry chunks in one program
+
+
+def _check_argmax(z):
+    op = _ARGMAX
+    C.tensor(op, "z", z, rank=2, dtype=C.FLOAT_DTYPES, last_contiguous=True)
+    if not 1 <= z.shape[1] <= ARGMAX_MAX_V:
+        C.fail(op, f"z must have 1 to {ARGMAX_MAX_V} entries a row (its last dim), got shape "
+                   f"{list(z.shape)}")
+
+
+def row_argmax_ref(z):
+    """[M] int64: the first index of each row's maximum, NaN above +inf (torch.argmax's
+    answer, spelled out: the first NaN if the row has one, else the first maximum)."""
+    zf = z.float()
+    nan = zf.isnan()
+    first_nan = nan.to(torch.uint8).argmax(-1)
+    best = torch.where(nan, float("-inf"), zf).argmax(-1)
+    return torch.where(nan.any(-1), first_nan, best)
+
+
+def _fake_argmax(z):
+    return z.new_empty((z.shape[0],), dtype=torch.long)
+
+
+# Default triton, eager cuda (the C++ launch's lower host cost): neither measured yet against
+# torch.argmax; the next GPU session's argmax_probe decides (benchmarks/NOTES.md, session 31).
+dispatch.define_op("row_argmax(Tensor z) -> Tensor", validate=_check_argmax,
+                   reference=row_argmax_ref, fake=_fake_argmax, default="triton", eager="cuda")
+
+
+def row_argmax(z: torch.Tensor) -> torch.Tensor:
+    """[M] int64: the first index of the maximum of each row of z [M, V] (NaN above +inf):
+    torch.argmax(z, -1), in fewer microseconds."""
+    return torch.ops.dflash.row_argmax.default(z)
+
+
+def argmax_last(z: torch.Tensor) -> torch.Tensor:
+    """``z.argmax(-1)`` for z of any rank >= 1 through ``row_argmax`` (z's rows flattened; the
+    result has z's leading shape)."""
+    v = z.shape[-1]
+    return row_argmax(z.reshape(-1, v)).view(z.shape[:-1])
+
+
 def select_candidates(unary, cand, hidden, anchor, pred, succ, temperature: float = 0.0,
                       u: Optional[torch.Tensor] = None):
     """(path [R, J], q [R, J, k]): DFlash 2's selector walk over each row's candidates."""
@@ -180,7 +231,9 @@ def samples(device, dtype) -> dict:
 
     return {_OP: {"greedy": case(40, 3, 7, 4, 8, 50),
                   "sampled": case(41, 2, 3, 16, 32, 100, temperature=0.7)},
-            _TOPK: {"k16": topk_case(42, 5, 3000, 16), "ties-k5": topk_case(43, 3, 97, 5, True)}}
+            _TOPK: {"k16": topk_case(42, 5, 3000, 16), "ties-k5": topk_case(43, 3, 97, 5, True)},
+            _ARGMAX: {"chunks": dict(z=topk_case(44, 3, 9000, 1)["z"]),
+                      "ties": dict(z=topk_case(45, 4, 97, 1, True)["z"])}}
 
 
 def bad_samples() -> dict:
@@ -206,4 +259,9 @@ def bad_samples() -> dict:
         ("k-zero", set_(k=0), "k"),
         ("k-above-v", set_(k=3001), "k"),
         ("k-above-max", set_(k=TOPK_MAX + 1), "k"),
+    ], _ARGMAX: [
+        ("z-int", to("z", dtype=torch.int32), "z"),
+        ("z-rank-1", set_(z=rnd(40)), "z"),
+        ("z-vocab-stride", set_(z=lambda kw: kw["z"].t().contiguous().t()), "z"),
+        ("z-empty-rows", set_(z=rnd(3, 0)), "z"),
     ]}

@@ -26,6 +26,7 @@ import time
 import torch
 
 from ..cli import UsageError, device_arg, int_at_least, seed_arg
+from ..ops.select import argmax_last
 from .step import DECODE_STEPS
 
 _KV_BLOCK = 16  # rows of a paged KV cache block
@@ -151,7 +152,7 @@ def _decode_graphed(target, prompts, max_new_tokens):
 
         def step():
             nxt = target.forward(ids, requests, starts, ones, None, fp32_logits=False)[0]
-            nxt = nxt.argmax(-1)
+            nxt = argmax_last(nxt)  # = nxt.argmax(-1), as the speculative steps take it
             ids.copy_(nxt)
             out.index_copy_(1, col, nxt[:, None])
             starts.add_(1)

@@ -44,6 +44,7 @@ import torch
 
 from .. import dispatch
 from ..ops.loop import greedy_commit, prepare_step_, sample_commit
+from ..ops.select import argmax_last
 
 
 @dataclass
@@ -382,7 +383,7 @@ class Iteration:
                 torch.full((r,), self.b, device=self.device), self.drafter.cfg.target_layer_ids,
                 fp32_logits=self.sampling is not None)
             logits = logits.view(r, self.b, -1)
-            post = logits.argmax(-1) if self.sampling is None else None
+            post = argmax_last(logits) if self.sampling is None else None
         return block, post, logits, taps, spent
 
     def _commit(self, state: State, rows, block, post, logits, q, taps) -> tuple:

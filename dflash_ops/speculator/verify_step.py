@@ -17,6 +17,7 @@ import torch
 
 from .. import dispatch
 from ..ops.loop import prepare_step_
+from ..ops.select import argmax_last
 
 
 class VerifyStep:
@@ -86,7 +87,8 @@ class VerifyStep:
         if self.context_drafter is not None:
             self.context_drafter.add_context(taps, self.requests[:bucket], self.start[:bucket])
         logits = logits.view(bucket, self.b, -1)
-        return (logits if self.want_logits else None), logits.argmax(-1), taps
+        post = argmax_last(logits)  # = logits.argmax(-1), in fewer microseconds
+        return (logits if self.want_logits else None), post, taps
 
     def run(self, bucket: int) -> tuple:
         """(logits [bucket, B, V] or None, post [bucket, B], taps); replays the graph if

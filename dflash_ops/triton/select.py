@@ -212,3 +212,57 @@ def row_topk(z, k: int):
 
 
 dispatch.register_backend("row_topk", "triton", row_topk)
+
+
+# ----------------------------------------------------------------------------- row_argmax
+# z [M, V] in chunks of ARGMAX_CHUNK entries: a program per (row, chunk) takes its chunk's best
+# entry as one int64 (``_packed``: the order is the op's, the first index winning ties), then a
+# program per row takes the best of its chunks' and unpacks the index. A row of one chunk is
+# done by the first launch. Grids from the shapes only (graph-capturable).
+ARGMAX_CHUNK = 4096
+
+
+@triton.jit
+def _argmax_chunk_kernel(z_ptr, stride_m, V, part_ptr, idx_ptr, NCH, CHUNK: tl.constexpr,
+                         FINAL: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
+        tl.extra.cuda.gdc_wait()
+    m = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1).to(tl.int64)
+    offs = c * CHUNK + tl.arange(0, CHUNK).to(tl.int64)
+    inr = offs < V
+    x = tl.load(z_ptr + m * stride_m + offs, mask=inr, other=float("-inf")).to(tl.float32)
+    best = tl.max(tl.where(inr, _packed(x, offs), EMPTY), axis=0)
+    if FINAL:  # the row is one chunk
+        tl.store(idx_ptr + m, 0x7FFFFFFF - (best & 0xFFFFFFFF))
+    else:
+        tl.store(part_ptr + m * NCH + c, best)
+
+
+@triton.jit
+def _argmax_merge_kernel(part_ptr, idx_ptr, NCH, NP: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
+        tl.extra.cuda.gdc_wait()
+    m = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, NP)
+    best = tl.max(tl.load(part_ptr + m * NCH + j, mask=j < NCH, other=EMPTY), axis=0)
+    tl.store(idx_ptr + m, 0x7FFFFFFF - (best & 0xFFFFFFFF))
+
+
+def row_argmax(z):
+    m, v = z.shape
+    idx = torch.empty((m,), dtype=torch.long, device=z.device)
+    if m == 0:
+        return idx
+    chunk = min(ARGMAX_CHUNK, triton.next_power_of_2(v))
+    nch = triton.cdiv(v, chunk)
+    part = idx if nch == 1 else torch.empty((m, nch), dtype=torch.long, device=z.device)
+    _argmax_chunk_kernel[(m, nch)](z, z.stride(0), v, part, idx, nch, CHUNK=chunk,
+                                   FINAL=nch == 1, num_warps=4, **pdl_kwargs(z.device))
+    if nch > 1:
+        _argmax_merge_kernel[(m,)](part, idx, nch, NP=triton.next_power_of_2(nch), num_warps=1,
+                                   **pdl_kwargs(z.device))
+    return idx
+
+
+dispatch.register_backend("row_argmax", "triton", row_argmax)
