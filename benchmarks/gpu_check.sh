@@ -46,8 +46,10 @@
 #            reports (issue 15's precompute part)
 #   exact-probe: benchmarks/exact_probe.py (PROBE_ARGS): which GEMM launches give exact mode's
 #            bits (issue 19: may exact mode change its tile with M and keep them?)
-#   argmax:  the row_argmax GPU tests, then benchmarks/argmax_probe.py: row_argmax (triton,
-#            cuda) vs torch.argmax at the loop's logits shapes (issue 19's greedy tokens)
+#   argmax:  the GPU tests of row_argmax and glu_proj, then benchmarks/argmax_probe.py
+#            (row_argmax, triton and cuda, vs torch.argmax at the loop's logits shapes) and
+#            benchmarks/glu_probe.py (gate_up's SwiGLU epilogue vs GEMM + silu_mul): issue 19's
+#            session-31 changes
 #   ncu-cases: Nsight Compute of one launch of each of benchmarks/ncu_cases.py's NCU_CASES
 #            (the DFlash 2 projection GEMM, o_proj, conv, top-k, ...): $OUT/ncu_<case>.ncu-rep,
 #            its details page as text, and each page's headline metrics and rule findings
@@ -385,9 +387,10 @@ if [ "$what" = exact-probe ]; then
     | grep -E "^[a-z_]+ N=|cuBLAS|exact rows"
 fi
 if [ "$what" = argmax ]; then
-  timeout 200 python3 -m pytest -q -m gpu tests/test_select_kernels.py -k argmax 2>&1 \
-    | tee "$OUT/pytest_argmax.log" | tail -3
-  timeout 200 python3 benchmarks/argmax_probe.py 2>&1 | tee "$OUT/argmax_probe.log"
+  timeout 240 python3 -m pytest -q -m gpu tests/test_select_kernels.py tests/test_glu_proj.py \
+    -k "argmax or glu" 2>&1 | tee "$OUT/pytest_argmax.log" | tail -3
+  timeout 150 python3 benchmarks/argmax_probe.py 2>&1 | tee "$OUT/argmax_probe.log"
+  timeout 150 python3 benchmarks/glu_probe.py 2>&1 | tee "$OUT/glu_probe.log"
 fi
 if [ "$what" = attn ]; then
   timeout 500 python3 benchmarks/bench_attention.py ${BENCH_ARGS:-} --out "$OUT/results" 2>&1 \

@@ -7,7 +7,9 @@ against the fused ``[q; k; v]`` weight; ``qk_norm_rope_store_`` (per-head RMSNor
 then RoPE, or RoPE alone without QK-norm (Llama); q in place, the new K/V written at the
 tokens' cache slots, one launch); ``block_attention`` of the new tokens over the request's
 cached keys (the new ones included); ``o_proj``; ``fused_add_rms_norm_`` (residual add +
-post-attention norm); the SwiGLU MLP (``silu_mul`` between the fused gate/up GEMM and down).
+post-attention norm); the SwiGLU MLP (``silu_mul`` between the fused gate/up GEMM and down;
+in graphed calls where the linear table runs gate/up on the Triton GEMM, the SwiGLU is that
+GEMM's epilogue: ``models.linear.linear_silu_mul``).
 The MLP output is returned, not added: the caller adds it (the next layer's input norm, a tap,
 the final norm).
 
@@ -26,7 +28,7 @@ from typing import Optional
 import torch
 
 from .. import ops  # noqa: F401  (defines torch.ops.dflash.*)
-from .linear import linear
+from .linear import linear, linear_silu_mul
 
 OPS = torch.ops.dflash
 
@@ -184,7 +186,7 @@ class DecoderLayer:
         else:
             OPS.fused_add_rms_norm_(o, x, self.post_ln, eps)  # x += o; o = norm(x)
         if self.mlp_conv is None:  # down(silu(gate) * up)
-            return linear(OPS.silu_mul(linear(o, self.gate_up, None, ex)), self.down, None, ex)
+            return linear(linear_silu_mul(o, self.gate_up, ex), self.down, None, ex)
         o, mlp_dyn = self.mlp_conv.prepare(o, t.conv_block, ex)
-        out = linear(OPS.silu_mul(linear(o, self.gate_up, None, ex)), self.down, None, ex)
+        out = linear(linear_silu_mul(o, self.gate_up, ex), self.down, None, ex)
         return Pending(out, mlp_dyn, self.mlp_conv, t.conv_block)

@@ -286,3 +286,26 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None,
     from ..triton.context import ProjCfg, kv_proj  # here: triton may be absent off CUDA
 
     return kv_proj(x2, w, b, cfg=ProjCfg(*cfg)).view(*lead, n)
+
+
+def linear_silu_mul(x: torch.Tensor, w: torch.Tensor, exact: bool = False) -> torch.Tensor:
+    """``silu_mul(linear(x, w, None, exact))`` for a gate | up weight w [2I, H] (gate rows, then
+    up rows): [..., I]. Where ``linear`` would run the table's Triton GEMM without a K split
+    (calls recorded into a CUDA graph, bf16 / fp16), one launch computes the SwiGLU in that
+    GEMM's epilogue (``triton.context.glu_proj`` with half the N tile, so a program streams
+    the same weight bytes): the [.., 2I] output never goes to memory and silu_mul's launch is
+    gone. Elsewhere (eager calls, cuBLAS or split-K entries, exact mode, CPU) the two calls."""
+    if not exact and x.dim() >= 1 and x.shape[-1] == w.shape[1] and w.dtype == x.dtype:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        m, (n, k) = x2.shape[0], w.shape
+        cfg = choice(m, n, k, x.dtype, x.device) if m and n % 2 == 0 else None
+        if cfg is not None and cfg != CUDA_CFG:
+            from ..triton.context import ProjCfg, glu_proj, glu_tile  # triton may be absent
+
+            pc = ProjCfg(*cfg)
+            if pc.split == 1 and not pc.serial:
+                if x2.stride(-1) != 1:
+                    x2 = x2.contiguous()
+                return glu_proj(x2, w, cfg=glu_tile(pc)).view(*lead, n // 2)
+    return torch.ops.dflash.silu_mul(linear(x, w, None, exact))

@@ -39,6 +39,7 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import dispatch
@@ -106,19 +107,82 @@ def _gemm_tile(x_ptr, w_ptr, b_ptr, rows, cols, m0, n0, T, N, H, x_st_m, x_st_k,
 
 
 @triton.jit
+def _glu_acc(x_ptr, w_ptr, rows, cols, m0, n0, T, N, H, x_st_m, x_st_k, w_st_n, w_st_k,
+             TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    # (gate, up) [BLOCK_M, BLOCK_N] fp32: x[rows] @ w[cols]^T and x[rows] @ w[N + cols]^T, w
+    # holding N gate rows then N up rows, in one K loop (each step loads x's tile once and
+    # both weight tiles; _gemm_tile's loads otherwise: a gate tile running past N reads up
+    # rows, a column masked at the store)
+    k = tl.arange(0, BLOCK_K)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if not TMA:
+        r = tl.where(rows < T, rows, 0).to(tl.int64)
+        c = tl.where(cols < N, cols, 0).to(tl.int64)
+        a_ptrs = x_ptr + r[:, None] * x_st_m + k[None, :] * x_st_k
+        g_ptrs = w_ptr + c[:, None] * w_st_n + k[None, :] * w_st_k
+        u_ptrs = g_ptrs + N * w_st_n
+    for k0 in range(0, H, BLOCK_K):
+        if TMA:
+            a = x_ptr.load([m0, k0])
+            bg = w_ptr.load([n0, k0])
+            bu = w_ptr.load([N + n0, k0])
+        elif EVEN_K:
+            a = tl.load(a_ptrs)
+            bg = tl.load(g_ptrs)
+            bu = tl.load(u_ptrs)
+        else:
+            kmask = (k0 + k) < H
+            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+            bg = tl.load(g_ptrs, mask=kmask[None, :], other=0.0)
+            bu = tl.load(u_ptrs, mask=kmask[None, :], other=0.0)
+        if a.dtype == tl.float32:  # fp32 in, fp32 math (no TF32)
+            acc_g = tl.dot(a, tl.trans(bg), acc_g, input_precision="ieee")
+            acc_u = tl.dot(a, tl.trans(bu), acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, tl.trans(bg), acc_g)
+            acc_u = tl.dot(a, tl.trans(bu), acc_u)
+        if not TMA:
+            a_ptrs += BLOCK_K * x_st_k
+            g_ptrs += BLOCK_K * w_st_k
+            u_ptrs += BLOCK_K * w_st_k
+    return acc_g, acc_u
+
+
+@triton.jit
 def _kv_proj_tile(tile, x_ptr, w_ptr, b_ptr, out_ptr, T, N, H, x_st_m, x_st_k, w_st_n, w_st_k,
                   b_st, o_st_m, NUM_M, NUM_N, TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+                  GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, GLU: tl.constexpr,
+                  LIBDEVICE_EXP: tl.constexpr):
     pid_m, pid_n = _tile_ids(tile, NUM_M, NUM_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = _gemm_tile(x_ptr, w_ptr, b_ptr, rows, cols, pid_m * BLOCK_M, pid_n * BLOCK_N,
-                     T, N, H, x_st_m, x_st_k, w_st_n, w_st_k, b_st, TMA, HAS_BIAS, BLOCK_M,
-                     BLOCK_N, BLOCK_K, EVEN_K)
     mask = (rows < T)[:, None] & (cols < N)[None, :]
     off = rows.to(tl.int64)[:, None] * o_st_m + cols[None, :]
-    tl.store(out_ptr + off, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    dt = out_ptr.dtype.element_ty
+    if GLU:
+        # silu_mul of the gate | up GEMM (N outputs from 2N weight rows): each half rounded to
+        # the dtype as the GEMM's output would be, then triton/act.py's silu and product
+        g, u = _glu_acc(x_ptr, w_ptr, rows, cols, pid_m * BLOCK_M, pid_n * BLOCK_N, T, N, H,
+                        x_st_m, x_st_k, w_st_n, w_st_k, TMA, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        if HAS_BIAS:
+            cm = cols < N
+            g += tl.load(b_ptr + cols * b_st, mask=cm, other=0.0).to(tl.float32)[None, :]
+            u += tl.load(b_ptr + (N + cols) * b_st, mask=cm, other=0.0).to(tl.float32)[None, :]
+        gf = g.to(dt).to(tl.float32)
+        if LIBDEVICE_EXP:
+            e = libdevice.exp(-gf)
+        else:
+            e = tl.exp(-gf)
+        sv = tl.math.div_rn(gf, 1.0 + e).to(dt)
+        y = sv.to(tl.float32) * u.to(dt).to(tl.float32)
+    else:
+        y = _gemm_tile(x_ptr, w_ptr, b_ptr, rows, cols, pid_m * BLOCK_M, pid_n * BLOCK_N,
+                       T, N, H, x_st_m, x_st_k, w_st_n, w_st_k, b_st, TMA, HAS_BIAS, BLOCK_M,
+                       BLOCK_N, BLOCK_K, EVEN_K)
+    tl.store(out_ptr + off, y.to(dt), mask=mask)
 
 
 @triton.jit
@@ -126,19 +190,20 @@ def _kv_proj_kernel(x_ptr, w_ptr, b_ptr, out_ptr, T, N, H, x_st_m, x_st_k, w_st_
                     o_st_m, NUM_M, NUM_N, TMA: tl.constexpr, PERSISTENT: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                    PDL: tl.constexpr):
+                    GLU: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
         tl.extra.cuda.gdc_wait()
-    # PERSISTENT: one program per SM walks the tiles (stride = grid size); else one per tile
+    # PERSISTENT: one program per SM walks the tiles (stride = grid size); else one per tile.
+    # GLU: out = silu_mul(x @ w^T) with w [2N, H] (gate rows, then up rows), N outputs a row.
     if PERSISTENT:
         for tile in tl.range(tl.program_id(0), NUM_M * NUM_N, tl.num_programs(0), flatten=True):
             _kv_proj_tile(tile, x_ptr, w_ptr, b_ptr, out_ptr, T, N, H, x_st_m, x_st_k, w_st_n,
                           w_st_k, b_st, o_st_m, NUM_M, NUM_N, TMA, HAS_BIAS, BLOCK_M, BLOCK_N,
-                          BLOCK_K, GROUP_M, EVEN_K)
+                          BLOCK_K, GROUP_M, EVEN_K, GLU, LIBDEVICE_EXP)
     else:
         _kv_proj_tile(tl.program_id(0), x_ptr, w_ptr, b_ptr, out_ptr, T, N, H, x_st_m, x_st_k,
                       w_st_n, w_st_k, b_st, o_st_m, NUM_M, NUM_N, TMA, HAS_BIAS, BLOCK_M,
-                      BLOCK_N, BLOCK_K, GROUP_M, EVEN_K)
+                      BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, GLU, LIBDEVICE_EXP)
 
 
 @triton.jit
@@ -503,9 +568,45 @@ def launch_proj(x, w_kv, bias, out, cfg: ProjCfg) -> None:
     _kv_proj_kernel[(_grid(num_m * num_n, cfg.persistent, x.device),)](
         xo, wo, b, out, t, n, h, x.stride(0), x.stride(1), w_kv.stride(0), w_kv.stride(1),
         bias.stride(0) if bias is not None else 0, out.stride(0), num_m, num_n, TMA=tma,
-        PERSISTENT=cfg.persistent, HAS_BIAS=bias is not None, BLOCK_M=cfg.bm, BLOCK_N=cfg.bn, BLOCK_K=cfg.bk,
-        GROUP_M=cfg.gm, EVEN_K=h % cfg.bk == 0, num_warps=cfg.warps, num_stages=cfg.stages,
+        PERSISTENT=cfg.persistent, HAS_BIAS=bias is not None, BLOCK_M=cfg.bm, BLOCK_N=cfg.bn,
+        BLOCK_K=cfg.bk, GROUP_M=cfg.gm, EVEN_K=h % cfg.bk == 0, GLU=False, LIBDEVICE_EXP=False,
+        num_warps=cfg.warps, num_stages=cfg.stages, **pdl_kwargs(x.device))
+
+
+def glu_tile(cfg: ProjCfg) -> ProjCfg:
+    """The SwiGLU launch of a gate | up GEMM's table config: half the N tile (a program then
+    streams the same weight rows as the plain GEMM's program, half gate and half up), one
+    split (glu_proj has no split-K)."""
+    return cfg._replace(bn=max(16, cfg.bn // 2), split=1, serial=False)
+
+
+def glu_proj(x, w_gu, bias=None, *, cfg: ProjCfg):
+    """``silu_mul(x @ w_gu^T + bias)`` in one launch: w_gu [2I, H] holds the gate rows then the
+    up rows (the models' gate_up), the result is [T, I]. Each program computes a gate and an up
+    tile of the same I columns in one K loop, rounds both to the dtype (the GEMM's output) and
+    applies triton/act.py's silu and product, so the result is bit for bit ``silu_mul`` of
+    ``kv_proj`` with the same tile (``cfg`` as given: see ``glu_tile``)."""
+    t, h = x.shape
+    n = w_gu.shape[0] // 2
+    out = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    if t == 0 or n == 0:
+        return out
+    if h == 0:  # silu(bias_g) * bias_u, or zeros
+        from .act import silu_mul
+        src = bias.expand(t, 2 * n) if bias is not None else x.new_zeros((t, 2 * n))
+        return out.copy_(silu_mul(src.contiguous()))
+    tma = cfg.tma and tma_ok(x, w_gu)
+    num_m, num_n = triton.cdiv(t, cfg.bm), triton.cdiv(n, cfg.bn)
+    xo, wo = _operands(x, w_gu, cfg.bm, cfg.bn, cfg.bk, tma)
+    b = bias if bias is not None else out
+    _kv_proj_kernel[(_grid(num_m * num_n, cfg.persistent, x.device),)](
+        xo, wo, b, out, t, n, h, x.stride(0), x.stride(1), w_gu.stride(0), w_gu.stride(1),
+        bias.stride(0) if bias is not None else 0, out.stride(0), num_m, num_n, TMA=tma,
+        PERSISTENT=cfg.persistent, HAS_BIAS=bias is not None, BLOCK_M=cfg.bm, BLOCK_N=cfg.bn,
+        BLOCK_K=cfg.bk, GROUP_M=cfg.gm, EVEN_K=h % cfg.bk == 0, GLU=True,
+        LIBDEVICE_EXP=not _interpreting(), num_warps=cfg.warps, num_stages=cfg.stages,
         **pdl_kwargs(x.device))
+    return out
 
 
 def kv_proj(x, w_kv, bias=None, *, cfg: Optional[ProjCfg] = None):

@@ -1,0 +1,67 @@
+"""The SwiGLU in gate_up's epilogue (issue 19): ``glu_proj`` (one launch) against the chain it
+replaces (the table's Triton GEMM, then ``silu_mul``) and cuBLAS + silu_mul, at Qwen3-8B's MLP
+(gate_up [24576, 4096]) and 1 / 8 / 16 / 32 rows (decode, draft, verify at batch 1-2), bf16,
+CUDA-graph replay over enough weight copies that the weight does not stay in L2.
+
+    python benchmarks/glu_probe.py        # ~20 s; gpu_check.sh argmax runs it too
+
+Each case is first checked: the fused result equals the chain's with the same tile, bit for
+bit. The floor column is the weight's bytes over the copy rate measured in the same run.
+"""
+import importlib.util
+import sys
+from pathlib import Path
+
+N, K = 24576, 4096  # Qwen3-8B gate_up: 2 x 12288 rows of 4096
+ROWS = (1, 8, 16, 32)
+ROTATE_BYTES = 256 << 20
+
+
+def main() -> int:
+    if importlib.util.find_spec("dflash_ops") is None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import torch
+    import torch.nn.functional as F
+
+    from dflash_ops.bench.harness import measure_floors, time_fn
+    from dflash_ops.models import linear as L
+    from dflash_ops.triton.act import silu_mul
+    from dflash_ops.triton.context import ProjCfg, glu_proj, glu_tile, kv_proj
+
+    if not torch.cuda.is_available():
+        print("glu_probe: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dt = torch.bfloat16
+    floors = measure_floors()
+    copy = floors["copy_GBps"]
+    wbytes = N * K * 2
+    ws = [torch.randn(N, K, device="cuda", dtype=dt) / K ** 0.5
+          for _ in range(max(2, -(-ROTATE_BYTES // wbytes)))]
+    print(f"glu_probe: {torch.cuda.get_device_name()}, torch {torch.__version__}; gate_up "
+          f"[{N}, {K}] bf16, {len(ws)} weight copies; copy {copy:.0f} GB/s; us a call")
+    print("| M | table cfg | GEMM + silu_mul (table tile) | glu_proj (half tile) | "
+          "GEMM + silu_mul (half tile) | cuBLAS + silu_mul | floor |")
+    print("|---|---|---|---|---|---|---|")
+    bad = 0
+    for m in ROWS:
+        cfg = L.TABLE.get((N, K), {}).get(L.m_bucket(m)) or (16, 64, 128, 8, 4, 4, True, False)
+        if cfg == L.CUDA_CFG or (len(cfg) > 8 and cfg[8] > 1):
+            cfg = (16, 64, 128, 8, 4, 4, True, False)  # the probe wants an unsplit tile
+        pc = ProjCfg(*cfg)
+        half = glu_tile(pc)
+        x = torch.randn(m, K, device="cuda", dtype=dt)
+        sets = [(x, w) for w in ws]
+        ok = torch.equal(glu_proj(x, ws[0], cfg=half), silu_mul(kv_proj(x, ws[0], cfg=half)))
+        bad += not ok
+        row = [time_fn(lambda x, w: silu_mul(kv_proj(x, w, cfg=pc)), rotate=sets, graph=True),
+               time_fn(lambda x, w: glu_proj(x, w, cfg=half), rotate=sets, graph=True),
+               time_fn(lambda x, w: silu_mul(kv_proj(x, w, cfg=half)), rotate=sets, graph=True),
+               time_fn(lambda x, w: silu_mul(F.linear(x, w)), rotate=sets, graph=True)]
+        cells = " | ".join(f"{r['us']:.2f}" for r in row)
+        print(f"| {m} | {list(cfg)} | {cells}{'' if ok else ' WRONG'} | "
+              f"{wbytes / (copy * 1e3):.2f} |", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
