@@ -200,6 +200,13 @@ def _forced(op: str) -> Optional[str]:
     return _global_force.get(None)
 
 
+def forced_backend(op: str) -> Optional[str]:
+    """The backend forced for ``op`` right now (``use_backend`` / ``set_backend`` /
+    ``DFLASH_OPS_BACKEND``), or None: code that fuses an op into something else (the models'
+    GEMM epilogues) leaves it unfused while one is forced."""
+    return _forced(op)
+
+
 def has_backend(op: str, backend: str) -> bool:
     if backend == "cuda":
         return op in _cuda_cpp_ops

@@ -1,8 +1,15 @@
 """The SwiGLU in the gate | up GEMM's epilogue (``triton.context.glu_proj``, reached through
 ``models.linear.linear_silu_mul``): bit for bit ``silu_mul`` of ``kv_proj`` with the same tile,
 and within the tolerance rule of ``F.silu(gate) * up`` in fp32; the routing (fused only where
-``linear`` would run the table's unsplit Triton GEMM). Under TRITON_INTERPRET=1 on CPU (fp16 /
-fp32: bf16 dots are wrong in the interpreter) and on the GPU (bf16 / fp16, graph replay)."""
+``linear`` would run the table's unsplit Triton GEMM).
+
+The post-attention norm folded into o_proj's and gate | up's epilogues
+(``triton.context.proj_add_norm_`` + ``glu_proj(rstd=...)``, reached through
+``models.linear.o_proj_norm_silu_mul``): the residual exactly as ``fused_add_rms_norm_`` leaves
+it, the SwiGLU within the tolerance rule of the unfused chain in fp32; the routing.
+
+Under TRITON_INTERPRET=1 on CPU (fp16 / fp32: bf16 dots are wrong in the interpreter) and on the
+GPU (bf16 / fp16, graph replay)."""
 from __future__ import annotations
 
 import pytest
@@ -93,12 +100,127 @@ def check_routing(device, dtype):
         TC.glu_proj = real
 
 
+# (T, H, Hq*D, I, o_proj cfg (bm, bn, bk, gm, warps, stages, tma, persistent[, split]), o bias,
+# gate | up cfg): o_proj plain and split-K, partial tiles, TMA and pointers
+FOLD_GRID = [(1, 128, 64, 96, (16, 32, 64, 8, 4, 2, True, False, 2), False,
+              (16, 64, 64, 8, 4, 2, True, False)),
+             (5, 96, 80, 40, (16, 32, 32, 8, 4, 2, False, False), True,
+              (16, 32, 32, 8, 4, 2, False, False)),
+             (17, 64, 64, 64, (16, 16, 64, 8, 4, 2, True, True), False,
+              (16, 32, 64, 8, 4, 2, True, True)),
+             (3, 160, 48, 72, (16, 32, 32, 8, 4, 2, False, False, 3), True,
+              (16, 64, 64, 8, 4, 2, False, False))]
+
+
+def fold_case(t, h, a, i, bias, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s, scale=1.0: (torch.randn(*s, generator=g) * scale).to(device, dtype)  # noqa
+    attn = mk(t, a)
+    w_o = mk(h, a, scale=a ** -0.5)
+    b_o = mk(h) if bias else None
+    res = mk(t, h, scale=2.0)
+    nw = (1 + 0.3 * torch.randn(h, generator=g)).to(device, dtype)
+    w_gu = mk(2 * i, h, scale=h ** -0.5)
+    return attn, w_o, b_o, res, nw, w_gu
+
+
+def fold_chain(attn, w_o, b_o, res, nw, w_gu, eps, dtype):
+    """The unfused chain in ``dtype`` (res updated in place) and in fp32: (act, act fp32)."""
+    o = F.linear(attn, w_o, b_o)
+    if dtype == torch.float32:
+        o32 = o
+    else:
+        o32 = F.linear(attn.float(), w_o.float(), None if b_o is None else b_o.float())
+    r32 = res.float() + o32
+    res.add_(o)
+    hf = res.float()
+    normed = ((hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype) * nw)
+    y = F.linear(normed, w_gu)
+    i = w_gu.shape[0] // 2
+    act = (F.silu(y[:, :i].float()).to(dtype).float() * y[:, i:].float()).to(dtype)
+    n32 = r32 * torch.rsqrt(r32.pow(2).mean(-1, keepdim=True) + eps) * nw.float()
+    y32 = F.linear(n32, w_gu.float())
+    return act, F.silu(y32[:, :i]) * y32[:, i:]
+
+
+def fold_alt(res, nw, w_gu, eps, dtype):
+    """The fold's own rounding points in PyTorch (u = T(res * nw), an fp32 sum, rstd after it),
+    from the residual after the add: the tolerance rule's second base."""
+    hf = res.float()
+    rstd = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    u = (hf * nw.float()).to(dtype)
+    y = (F.linear(u.float(), w_gu.float()) * rstd).to(dtype).float()
+    i = w_gu.shape[0] // 2
+    return (F.silu(y[:, :i]).to(dtype).float() * y[:, i:]).to(dtype)
+
+
+def check_fold(device, dtypes, grid=FOLD_GRID, eps=1e-6):
+    from dflash_ops.triton.context import ProjCfg, glu_proj, proj_add_norm_
+
+    for dtype in dtypes:
+        for n, (t, h, a, i, ocfg, bias, gcfg) in enumerate(grid):
+            attn, w_o, b_o, res, nw, w_gu = fold_case(t, h, a, i, bias, dtype, device, 50 + n)
+            what = f"fold {dtype} T {t} H {h} A {a} I {i} {ocfg} {gcfg}"
+            res_chain = res.clone()
+            act_d, act32 = fold_chain(attn, w_o, b_o, res_chain, nw, w_gu, eps, dtype)
+            # the same o_proj result as a plain kv_proj of that cfg, then the residual add in the
+            # dtype: what the epilogue must have left in res
+            from dflash_ops.triton.context import kv_proj
+            o_same = kv_proj(attn, w_o, b_o, cfg=ProjCfg(*ocfg))
+            want_res = (res.float() + o_same.float()).to(dtype)
+            u, ss = proj_add_norm_(attn, w_o, b_o, res, nw, cfg=ProjCfg(*ocfg))
+            assert torch.equal(res, want_res), what + ": residual"
+            assert torch.equal(u, (want_res.float() * nw.float()).to(dtype)), what + ": u"
+            torch.testing.assert_close(ss.sum(1), want_res.float().pow(2).sum(1), rtol=1e-5,
+                                       atol=1e-5, msg=what + ": sums of squares")
+            got = glu_proj(u, w_gu, cfg=ProjCfg(*gcfg), rstd=(ss, eps))
+            alt = fold_alt(want_res, nw, w_gu, eps, dtype)
+            base = max((act_d.float() - act32).abs().max().item(),
+                       (alt.float() - act32).abs().max().item())
+            err = (got.float() - act32).abs().max().item()
+            assert err <= 2 * base + 1e-5 * max(1.0, act32.abs().max().item()), \
+                f"{what}: err {err:.3e} vs the chain's {base:.3e}"
+
+
+def check_fold_routing(device, dtype):
+    """o_proj_norm_silu_mul folds where both GEMMs take the table's Triton launch and gate | up
+    has no split; None (the caller's unfused chain) for exact mode, a cuBLAS or C++ entry, a
+    split gate | up, a non-contiguous residual or another dtype."""
+    from dflash_ops.models import linear as L
+
+    attn, w_o, _, res, nw, w_gu = fold_case(4, 128, 64, 96, False, dtype, device, 9)
+    plain = (16, 32, 64, 8, 4, 2, True, False)
+    split = (16, 32, 64, 8, 4, 2, True, False, 2, False)
+    saved = L.choice
+    try:
+        def pick(o_cfg, g_cfg):
+            L.choice = lambda m, n, k, *a, **kw: o_cfg if n == 128 else g_cfg
+
+        pick(split, plain)
+        r = res.clone()
+        got = L.o_proj_norm_silu_mul(attn, w_o, None, r, nw, 1e-6, w_gu)
+        assert got is not None and got.shape == (4, 96) and not torch.equal(r, res)
+        for o_cfg, g_cfg in ((None, plain), (plain, None), (L.CUDA_CFG, plain),
+                             (plain, L.CUDA_CFG), (plain, split)):
+            pick(o_cfg, g_cfg)
+            assert L.o_proj_norm_silu_mul(attn, w_o, None, res, nw, 1e-6, w_gu) is None
+        pick(plain, plain)
+        assert L.o_proj_norm_silu_mul(attn, w_o, None, res, nw, 1e-6, w_gu, exact=True) is None
+        wide = torch.zeros(4, 256, dtype=dtype, device=device)[:, :128]
+        assert L.o_proj_norm_silu_mul(attn, w_o, None, wide, nw, 1e-6, w_gu) is None
+        assert L.o_proj_norm_silu_mul(attn, w_o, None, res.float(), nw, 1e-6, w_gu) is None
+    finally:
+        L.choice = saved
+
+
 _SCRIPT = r"""
 import torch
 import dflash_ops
 import tests.test_glu_proj as t
 t.check_glu("cpu", (torch.float32, torch.float16))
 t.check_routing("cpu", torch.float16)
+t.check_fold("cpu", (torch.float32, torch.float16))
+t.check_fold_routing("cpu", torch.float16)
 print("interp-ok")
 """
 
@@ -155,3 +277,59 @@ def test_linear_silu_mul_graph_gpu(monkeypatch, m):
         torch.cuda.synchronize()
         want = silu_mul(kv_proj(x, w, cfg=glu_tile(ProjCfg(*cfg))))
         assert torch.equal(out["y"], want)
+
+
+@pytest.mark.gpu
+def test_fold_gpu():
+    import dflash_ops  # noqa: F401
+
+    grid = FOLD_GRID + [
+        (1, 4096, 4096, 12288, (16, 64, 128, 8, 4, 4, True, False, 4), False,
+         (16, 32, 128, 8, 4, 4, True, False)),
+        (16, 4096, 4096, 12288, (16, 32, 256, 8, 4, 4, True, False), False,
+         (16, 32, 128, 8, 4, 4, True, False))]
+    check_fold("cuda", (torch.bfloat16, torch.float16), grid)
+    check_fold_routing("cuda", torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16])
+def test_fold_graph_gpu(monkeypatch, m):
+    """A captured o_proj_norm_silu_mul at Qwen3-8B's shapes (the H200 table's o_proj and gate_up
+    configs) replays with new inputs: the residual as the chain leaves it, the SwiGLU within
+    the tolerance rule."""
+    import dflash_ops  # noqa: F401
+    from dflash_ops import dispatch
+    from dflash_ops.models import linear as L
+
+    o_cfg = (16, 64, 128, 8, 4, 4, True, False, 4, False) if m == 1 else \
+        (16, 32, 256, 8, 4, 4, True, False, 1, False)
+    monkeypatch.setattr(L, "TABLE", {(4096, 4096): {L.m_bucket(m): o_cfg},
+                                     (24576, 4096): {L.m_bucket(m): (16, 64, 128, 8, 4, 4, True,
+                                                                     False)}})
+    monkeypatch.setattr(L, "TABLE_GPU", None)
+    dt = torch.bfloat16
+    attn, w_o, _, res, nw, w_gu = fold_case(m, 4096, 4096, 12288, False, dt, "cuda", 1)
+    out = {}
+    res0 = res.clone()
+
+    def step():
+        res.copy_(res0)
+        out["y"] = L.o_proj_norm_silu_mul(attn, w_o, None, res, nw, 1e-6, w_gu)
+
+    graph = dispatch.capture_graph(step)[0]
+    for seed in (2, 3):
+        new = fold_case(m, 4096, 4096, 12288, False, dt, "cuda", seed)
+        attn.copy_(new[0])
+        res0.copy_(new[3])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert out["y"] is not None
+        from dflash_ops.triton.context import ProjCfg, kv_proj
+        o_same = kv_proj(attn, w_o, cfg=ProjCfg(*o_cfg))  # the epilogue's o, then the add
+        assert torch.equal(res, (res0.float() + o_same.float()).to(dt))
+        act_d, act32 = fold_chain(attn, w_o, None, res0.clone(), nw, w_gu, 1e-6, dt)
+        base = max((act_d.float() - act32).abs().max().item(),
+                   (fold_alt(res, nw, w_gu, 1e-6, dt).float() - act32).abs().max().item())
+        err = (out["y"].float() - act32).abs().max().item()
+        assert err <= 2 * base + 1e-5 * max(1.0, act32.abs().max().item()), (err, base)

@@ -285,6 +285,9 @@ def test_argmax_reference_is_torch_argmax():
     assert row_argmax_ref(z.to(torch.bfloat16)).tolist() == [1, 0, 0, 2, 0]
     assert row_argmax_ref(torch.empty(0, 5)).shape == (0,)
     assert argmax_last(torch.randn(2, 3, 7)).shape == (2, 3)  # leading dims kept
+    zt = torch.randn(50, 7).t()  # a strided last dim: copied first
+    assert torch.equal(argmax_last(zt), zt.argmax(-1))
+    assert argmax_last(torch.randn(0, 15, 10)).shape == (0, 15)  # no rows (an empty batch)
 
 
 def test_argmax_rejects_too_wide_rows():
@@ -296,20 +299,34 @@ def test_argmax_rejects_too_wide_rows():
 ARGMAX_GRID = [dict(m=3, v=97, k=1, ties=True), dict(m=2, v=5000, k=1),
                dict(m=1, v=16, k=1, infs=True), dict(m=4, v=4096, k=1),  # one whole chunk
                dict(m=2, v=4097, k=1, ties=True, infs=True), dict(m=1, v=1, k=1),
+               dict(m=5, v=3000, k=1),  # several rows of one chunk each
                dict(m=2, v=40000, k=1), dict(m=3, v=30000, k=1, ties=True, infs=True),
                dict(m=1, v=20000, k=1, flat=True),  # every entry ties: index 0
-               dict(m=2, v=9000, k=1, zeros=True), dict(m=2, v=30000, k=1, nans=True)]
+               dict(m=2, v=9000, k=1, zeros=True), dict(m=2, v=30000, k=1, nans=True),
+               dict(m=6, v=12289, k=1)]  # one entry into a fourth chunk
 GPU_ARGMAX_GRID = ARGMAX_GRID + [dict(m=15, v=151936, k=1), dict(m=1, v=151936, k=1),
                                  dict(m=64, v=248320, k=1, ties=True),
                                  dict(m=960, v=151936, k=1, ties=True)]
 
 
 def argmax_case(g, dtype, seed, device):
-    z, _ = topk_case(**g, dtype=dtype, seed=seed, device=device)
-    if g.get("flat") is None and z.shape[1] > 8:  # the maximum in the last chunk, tied earlier
-        z[:, -1] = z.max() + 1 if not z.isnan().any() else z[:, -1]
-        z[:, z.shape[1] // 3] = z[:, -1]
-    return z
+    """topk_case's rows, each with its maximum moved to a column of its own (random per row, the
+    last column and the first of the last chunk among them) and, in every other row, tied at a
+    second random column: the first of the two must win wherever they fall."""
+    z, _ = topk_case(**g, dtype=dtype, seed=seed)
+    m, v = z.shape
+    if v > 2 and not g.get("flat") and not g.get("nans"):
+        gen = torch.Generator().manual_seed(seed + 1000)
+        top = (z.float().max() + 1).to(z.dtype)
+        cols = torch.randint(0, v, (m,), generator=gen)
+        cols[0] = v - 1
+        if m > 1:
+            cols[1] = (v - 1) // 4096 * 4096
+        for r in range(m):
+            z[r, cols[r]] = top
+            if r % 2:
+                z[r, torch.randint(0, v, (1,), generator=gen)] = top
+    return z.to(device)
 
 
 def check_argmax(device, dtypes, grid=ARGMAX_GRID, backend="triton"):

@@ -215,7 +215,7 @@ class DFlashDrafter:
             z = linear(hidden, self.lm_head)
         else:
             z = self.logits(hidden)
-        tokens = OPS.row_argmax(z.reshape(r * (b - 1), -1)).view(r, b - 1)  # = z.argmax(-1)
+        tokens = OPS.row_argmax(z.reshape(r * (b - 1), z.shape[-1])).view(r, b - 1)  # argmax
         if self.d2t is not None:  # reduced draft vocabulary: draft id -> target id
             tokens = tokens + self.d2t[tokens]
         return tokens, (z if logits else None)

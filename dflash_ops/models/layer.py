@@ -9,7 +9,9 @@ tokens' cache slots, one launch); ``block_attention`` of the new tokens over the
 cached keys (the new ones included); ``o_proj``; ``fused_add_rms_norm_`` (residual add +
 post-attention norm); the SwiGLU MLP (``silu_mul`` between the fused gate/up GEMM and down;
 in graphed calls where the linear table runs gate/up on the Triton GEMM, the SwiGLU is that
-GEMM's epilogue: ``models.linear.linear_silu_mul``).
+GEMM's epilogue: ``models.linear.linear_silu_mul``; where it runs o_proj there too, the
+residual add and the post-attention norm are those GEMMs' epilogues:
+``models.linear.o_proj_norm_silu_mul``).
 The MLP output is returned, not added: the caller adds it (the next layer's input norm, a tap,
 the final norm).
 
@@ -28,7 +30,7 @@ from typing import Optional
 import torch
 
 from .. import ops  # noqa: F401  (defines torch.ops.dflash.*)
-from .linear import linear, linear_silu_mul
+from .linear import linear, linear_silu_mul, o_proj_norm_silu_mul
 
 OPS = torch.ops.dflash
 
@@ -180,6 +182,11 @@ class DecoderLayer:
             table, seq_lens = t.kept_table, t.kept_seq_lens
         attn = OPS.block_attention(q, k_cache, v_cache, table, seq_lens, t.qsl, d ** -0.5,
                                    self.causal, self.window, self.sinks, t.split_keys)
+        if self.attn_conv is None and self.mlp_conv is None:  # the norm folded where it can
+            act = o_proj_norm_silu_mul(attn.view(-1, hq * d), self.o, self.o_b, x, self.post_ln,
+                                       eps, self.gate_up, ex)
+            if act is not None:  # x += o_proj(attn); down(silu(gate) * up) of norm(x)
+                return linear(act, self.down, None, ex)
         o = linear(attn.view(-1, hq * d), self.o, self.o_b, ex)
         if self.attn_conv is not None:  # x += conv(o); o = norm(x)
             o = self.attn_conv.finish_add_norm(o, attn_dyn, t.conv_block, x, self.post_ln, eps)

@@ -294,7 +294,9 @@ def linear_silu_mul(x: torch.Tensor, w: torch.Tensor, exact: bool = False) -> to
     (calls recorded into a CUDA graph, bf16 / fp16), one launch computes the SwiGLU in that
     GEMM's epilogue (``triton.context.glu_proj`` with half the N tile, so a program streams
     the same weight bytes): the [.., 2I] output never goes to memory and silu_mul's launch is
-    gone. Elsewhere (eager calls, cuBLAS or split-K entries, exact mode, CPU) the two calls."""
+    gone. Elsewhere (eager calls, cuBLAS or split-K entries, N tiles under 32, exact mode, CPU,
+    a backend forced for silu_mul) the two calls. The fused result has the bits of the GEMM
+    with half the table's N tile, then silu_mul (the table's own tile may round otherwise)."""
     if not exact and x.dim() >= 1 and x.shape[-1] == w.shape[1] and w.dtype == x.dtype:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
@@ -304,8 +306,44 @@ def linear_silu_mul(x: torch.Tensor, w: torch.Tensor, exact: bool = False) -> to
             from ..triton.context import ProjCfg, glu_proj, glu_tile  # triton may be absent
 
             pc = ProjCfg(*cfg)
-            if pc.split == 1 and not pc.serial:
+            if (pc.split == 1 and not pc.serial and pc.bn >= 32
+                    and dispatch.forced_backend("silu_mul") is None):
                 if x2.stride(-1) != 1:
                     x2 = x2.contiguous()
                 return glu_proj(x2, w, cfg=glu_tile(pc)).view(*lead, n // 2)
     return torch.ops.dflash.silu_mul(linear(x, w, None, exact))
+
+
+def o_proj_norm_silu_mul(attn: torch.Tensor, w_o: torch.Tensor, b_o: Optional[torch.Tensor],
+                         residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                         w_gu: torch.Tensor, exact: bool = False) -> Optional[torch.Tensor]:
+    """A decoder layer's o_proj, residual add, post-attention RMSNorm and SwiGLU in two launches,
+    where the table runs both o_proj and gate | up on the Triton GEMM (graphed calls) and
+    gate | up without a K split: ``residual += attn @ w_o^T + b_o`` in o_proj's epilogue, which
+    also writes the row scaled by the norm's weight and the row's sums of squares by tile
+    (``triton.context.proj_add_norm_``); gate | up applies the row's rstd in its epilogue
+    before the SwiGLU (``glu_proj(rstd=...)``). Returns silu(gate) * up [T, I], or None where
+    it does not apply (the caller runs linear, fused_add_rms_norm_, linear_silu_mul; also while
+    a backend is forced for either op). Not
+    bit-identical to that chain (the normed row is not rounded before the GEMM and rstd scales
+    the sum): within the tolerance rule; exact mode never folds."""
+    if exact or attn.dim() != 2 or not attn.shape[0]:
+        return None
+    m, (n, k), dt = attn.shape[0], w_o.shape, attn.dtype
+    if (residual.shape != (m, n) or not residual.is_contiguous() or residual.dtype != dt
+            or w_o.dtype != dt or w_gu.dtype != dt or (b_o is not None and b_o.dtype != dt)
+            or norm_weight.shape != (n,) or w_gu.shape[1] != n or w_gu.shape[0] % 2):
+        return None
+    co = choice(m, n, k, dt, attn.device)
+    cg = choice(m, w_gu.shape[0], n, dt, attn.device)
+    if co is None or cg is None or co == CUDA_CFG or cg == CUDA_CFG:
+        return None
+    from ..triton.context import ProjCfg, glu_proj, glu_tile, proj_add_norm_
+
+    pg = ProjCfg(*cg)
+    if (pg.split > 1 or pg.serial or pg.bn < 32 or dispatch.forced_backend("silu_mul")
+            or dispatch.forced_backend("fused_add_rms_norm_")):
+        return None
+    x = attn if attn.stride(-1) == 1 else attn.contiguous()
+    u, ss = proj_add_norm_(x, w_o, b_o, residual, norm_weight.contiguous(), cfg=ProjCfg(*co))
+    return glu_proj(u, w_gu, cfg=glu_tile(pg), rstd=(ss, eps))

@@ -151,26 +151,63 @@ def _glu_acc(x_ptr, w_ptr, rows, cols, m0, n0, T, N, H, x_st_m, x_st_k, w_st_n, 
 
 
 @triton.jit
-def _kv_proj_tile(tile, x_ptr, w_ptr, b_ptr, out_ptr, T, N, H, x_st_m, x_st_k, w_st_n, w_st_k,
-                  b_st, o_st_m, NUM_M, NUM_N, TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, GLU: tl.constexpr,
-                  LIBDEVICE_EXP: tl.constexpr):
-    pid_m, pid_n = _tile_ids(tile, NUM_M, NUM_N, GROUP_M)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+def _store_tile(y, rows, cols, pid_n, T, N, out_ptr, o_st_m, res_ptr, nw_ptr, ss_ptr, NSS,
+                ADD_NORM: tl.constexpr):
+    # y: the tile's fp32 result, bias added. Plain: out = T(y). ADD_NORM (o_proj with the
+    # post-attention norm folded into the next GEMM): o = T(y) as the GEMM's output, the
+    # residual (res, row stride o_st_m as out's) becomes h = T(o + res) as fused_add_rms_norm_
+    # rounds it, out = T(h * nw) (the norm's weight; the next GEMM applies the row's rstd in its
+    # epilogue) and ss[row, pid_n] = the tile's sum of h^2 in fp32 (NSS tiles a row).
     mask = (rows < T)[:, None] & (cols < N)[None, :]
     off = rows.to(tl.int64)[:, None] * o_st_m + cols[None, :]
     dt = out_ptr.dtype.element_ty
+    if ADD_NORM:
+        r = tl.load(res_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        h = (y.to(dt).to(tl.float32) + r).to(dt)
+        tl.store(res_ptr + off, h, mask=mask)
+        hf = tl.where(mask, h.to(tl.float32), 0.0)
+        tl.store(ss_ptr + rows.to(tl.int64) * NSS + pid_n, tl.sum(hf * hf, axis=1),
+                 mask=rows < T)
+        w = tl.load(nw_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+        tl.store(out_ptr + off, (hf * w[None, :]).to(dt), mask=mask)
+    else:
+        tl.store(out_ptr + off, y.to(dt), mask=mask)
+
+
+@triton.jit
+def _row_rstd(ss_ptr, rows, T, NSS, H, eps, NSSP: tl.constexpr):
+    # rsqrt(mean of the row's squares + eps) from the NSS partial sums ADD_NORM stored
+    j = tl.arange(0, NSSP)
+    s = tl.load(ss_ptr + rows.to(tl.int64)[:, None] * NSS + j[None, :],
+                mask=(rows < T)[:, None] & (j < NSS)[None, :], other=0.0)
+    return 1.0 / tl.sqrt(tl.sum(s, axis=1) / H + eps)
+
+
+@triton.jit
+def _kv_proj_tile(tile, x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, ss_ptr, T, N, H, x_st_m,
+                  x_st_k, w_st_n, w_st_k, b_st, o_st_m, NUM_M, NUM_N, NSS, eps,
+                  TMA: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                  EVEN_K: tl.constexpr, GLU: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
+                  ADD_NORM: tl.constexpr, RSTD: tl.constexpr, NSSP: tl.constexpr):
+    pid_m, pid_n = _tile_ids(tile, NUM_M, NUM_N, GROUP_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if GLU:
-        # silu_mul of the gate | up GEMM (N outputs from 2N weight rows): each half rounded to
-        # the dtype as the GEMM's output would be, then triton/act.py's silu and product
+        # silu_mul of the gate | up GEMM (N outputs from 2N weight rows): each half (times the
+        # row's rstd with RSTD: the norm folded from ADD_NORM, plus the bias) rounded to the
+        # dtype as the GEMM's output would be, then triton/act.py's silu and product
         g, u = _glu_acc(x_ptr, w_ptr, rows, cols, pid_m * BLOCK_M, pid_n * BLOCK_N, T, N, H,
                         x_st_m, x_st_k, w_st_n, w_st_k, TMA, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        if RSTD:
+            rstd = _row_rstd(ss_ptr, rows, T, NSS, H, eps, NSSP)[:, None]
+            g = g * rstd
+            u = u * rstd
         if HAS_BIAS:
             cm = cols < N
             g += tl.load(b_ptr + cols * b_st, mask=cm, other=0.0).to(tl.float32)[None, :]
             u += tl.load(b_ptr + (N + cols) * b_st, mask=cm, other=0.0).to(tl.float32)[None, :]
+        dt = out_ptr.dtype.element_ty
         gf = g.to(dt).to(tl.float32)
         if LIBDEVICE_EXP:
             e = libdevice.exp(-gf)
@@ -182,28 +219,34 @@ def _kv_proj_tile(tile, x_ptr, w_ptr, b_ptr, out_ptr, T, N, H, x_st_m, x_st_k, w
         y = _gemm_tile(x_ptr, w_ptr, b_ptr, rows, cols, pid_m * BLOCK_M, pid_n * BLOCK_N,
                        T, N, H, x_st_m, x_st_k, w_st_n, w_st_k, b_st, TMA, HAS_BIAS, BLOCK_M,
                        BLOCK_N, BLOCK_K, EVEN_K)
-    tl.store(out_ptr + off, y.to(dt), mask=mask)
+    _store_tile(y, rows, cols, pid_n, T, N, out_ptr, o_st_m, res_ptr, nw_ptr, ss_ptr, NSS,
+                ADD_NORM)
 
 
 @triton.jit
-def _kv_proj_kernel(x_ptr, w_ptr, b_ptr, out_ptr, T, N, H, x_st_m, x_st_k, w_st_n, w_st_k, b_st,
-                    o_st_m, NUM_M, NUM_N, TMA: tl.constexpr, PERSISTENT: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                    GLU: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr):
+def _kv_proj_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, ss_ptr, T, N, H, x_st_m,
+                    x_st_k, w_st_n, w_st_k, b_st, o_st_m, NUM_M, NUM_N, NSS, eps,
+                    TMA: tl.constexpr, PERSISTENT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, GLU: tl.constexpr,
+                    LIBDEVICE_EXP: tl.constexpr, ADD_NORM: tl.constexpr, RSTD: tl.constexpr,
+                    NSSP: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
         tl.extra.cuda.gdc_wait()
     # PERSISTENT: one program per SM walks the tiles (stride = grid size); else one per tile.
     # GLU: out = silu_mul(x @ w^T) with w [2N, H] (gate rows, then up rows), N outputs a row.
+    # ADD_NORM / RSTD: the residual add and RMSNorm between two GEMMs (_store_tile, _row_rstd).
     if PERSISTENT:
         for tile in tl.range(tl.program_id(0), NUM_M * NUM_N, tl.num_programs(0), flatten=True):
-            _kv_proj_tile(tile, x_ptr, w_ptr, b_ptr, out_ptr, T, N, H, x_st_m, x_st_k, w_st_n,
-                          w_st_k, b_st, o_st_m, NUM_M, NUM_N, TMA, HAS_BIAS, BLOCK_M, BLOCK_N,
-                          BLOCK_K, GROUP_M, EVEN_K, GLU, LIBDEVICE_EXP)
+            _kv_proj_tile(tile, x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, ss_ptr, T, N, H,
+                          x_st_m, x_st_k, w_st_n, w_st_k, b_st, o_st_m, NUM_M, NUM_N, NSS, eps,
+                          TMA, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, GLU,
+                          LIBDEVICE_EXP, ADD_NORM, RSTD, NSSP)
     else:
-        _kv_proj_tile(tl.program_id(0), x_ptr, w_ptr, b_ptr, out_ptr, T, N, H, x_st_m, x_st_k,
-                      w_st_n, w_st_k, b_st, o_st_m, NUM_M, NUM_N, TMA, HAS_BIAS, BLOCK_M,
-                      BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, GLU, LIBDEVICE_EXP)
+        _kv_proj_tile(tl.program_id(0), x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, ss_ptr,
+                      T, N, H, x_st_m, x_st_k, w_st_n, w_st_k, b_st, o_st_m, NUM_M, NUM_N, NSS,
+                      eps, TMA, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, GLU,
+                      LIBDEVICE_EXP, ADD_NORM, RSTD, NSSP)
 
 
 @triton.jit
@@ -237,21 +280,22 @@ def _slice_acc(x_ptr, w_ptr, rows, cols, m0, n0, k_lo, k_hi, T, N, x_st_m, x_st_
 
 
 @triton.jit
-def _split_store(total, b_ptr, out_ptr, rows, cols, T, N, b_st, o_st_m, HAS_BIAS: tl.constexpr):
-    # the tile's sum of slices (+ bias) rounded once to out
-    mask = (rows < T)[:, None] & (cols < N)[None, :]
+def _split_store(total, b_ptr, out_ptr, res_ptr, nw_ptr, ss_ptr, rows, cols, pid_n, T, N, b_st,
+                 o_st_m, NSS, HAS_BIAS: tl.constexpr, ADD_NORM: tl.constexpr):
+    # the tile's sum of slices (+ bias) rounded once to out (ADD_NORM: _store_tile's)
     if HAS_BIAS:
         total += tl.load(b_ptr + cols * b_st, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    off = rows.to(tl.int64)[:, None] * o_st_m + cols[None, :]
-    tl.store(out_ptr + off, total.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_tile(total, rows, cols, pid_n, T, N, out_ptr, o_st_m, res_ptr, nw_ptr, ss_ptr, NSS,
+                ADD_NORM)
 
 
 @triton.jit
-def _proj_splitk_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, T, N, H, KS, x_st_m,
-                        x_st_k, w_st_n, w_st_k, b_st, o_st_m, NUM_M, NUM_N,
-                        SPLIT: tl.constexpr, SERIAL: tl.constexpr, TMA: tl.constexpr,
+def _proj_splitk_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, res_ptr, nw_ptr, ss_ptr,
+                        T, N, H, KS, x_st_m, x_st_k, w_st_n, w_st_k, b_st, o_st_m, NUM_M, NUM_N,
+                        NSS, SPLIT: tl.constexpr, SERIAL: tl.constexpr, TMA: tl.constexpr,
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, ADD_NORM: tl.constexpr,
+                        PDL: tl.constexpr):
     if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
         tl.extra.cuda.gdc_wait()
     # K in SPLIT slices [s * KS, (s + 1) * KS) (KS a multiple of BLOCK_K); the tile's result is
@@ -274,7 +318,8 @@ def _proj_splitk_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, T, N, H
             total += _slice_acc(x_ptr, w_ptr, rows, cols, pid_m * BLOCK_M, pid_n * BLOCK_N,
                                 k_lo, tl.minimum(k_lo + KS, H), T, N, x_st_m, x_st_k, w_st_n,
                                 w_st_k, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
-        _split_store(total, b_ptr, out_ptr, rows, cols, T, N, b_st, o_st_m, HAS_BIAS)
+        _split_store(total, b_ptr, out_ptr, res_ptr, nw_ptr, ss_ptr, rows, cols, pid_n, T, N,
+                     b_st, o_st_m, NSS, HAS_BIAS, ADD_NORM)
     else:
         s = tl.program_id(1)
         k_lo = s * KS
@@ -295,7 +340,8 @@ def _proj_splitk_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, T, N, H
             for s2 in range(SPLIT):
                 total += tl.load(part_ptr + s2 * sl + poff, mask=pmask, other=0.0,
                                  cache_modifier=".cg")
-            _split_store(total, b_ptr, out_ptr, rows, cols, T, N, b_st, o_st_m, HAS_BIAS)
+            _split_store(total, b_ptr, out_ptr, res_ptr, nw_ptr, ss_ptr, rows, cols, pid_n, T,
+                         N, b_st, o_st_m, NSS, HAS_BIAS, ADD_NORM)
             tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
@@ -541,13 +587,18 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     return buf
 
 
-def launch_proj(x, w_kv, bias, out, cfg: ProjCfg) -> None:
+def launch_proj(x, w_kv, bias, out, cfg: ProjCfg, add_norm=None) -> None:
+    """out = x @ w_kv^T + bias with ``cfg``. ``add_norm`` = (residual, norm_weight, ss): the
+    ADD_NORM epilogue (_store_tile) instead: residual += the result, out = T(residual * w), ss
+    [T, NUM_N] fp32 the tiles' sums of squares (residual and out contiguous, out's shape)."""
     t, h = x.shape
     n = w_kv.shape[0]
     tma = cfg.tma and tma_ok(x, w_kv)
     num_m, num_n = triton.cdiv(t, cfg.bm), triton.cdiv(n, cfg.bn)
     xo, wo = _operands(x, w_kv, cfg.bm, cfg.bn, cfg.bk, tma)
     b = bias if bias is not None else out
+    res, nw, ss = add_norm if add_norm is not None else (out, out, out)
+    nss = ss.shape[1] if add_norm is not None else 1
     if cfg.split > 1 or cfg.serial:
         # K slices of whole BLOCK_K steps; trailing slices may be empty (they add zeros)
         ks = triton.cdiv(triton.cdiv(h, cfg.split), cfg.bk) * cfg.bk
@@ -558,19 +609,38 @@ def launch_proj(x, w_kv, bias, out, cfg: ProjCfg) -> None:
                                dtype=torch.float32, device=x.device)
             cnt = _tile_counters(x.device, num_m * num_n)
         _proj_splitk_kernel[(num_m * num_n,) if cfg.serial else (num_m * num_n, cfg.split)](
-            xo, wo, b, out, part, cnt, t, n, h, ks, x.stride(0), x.stride(1), w_kv.stride(0),
-            w_kv.stride(1), bias.stride(0) if bias is not None else 0, out.stride(0), num_m,
-            num_n, SPLIT=cfg.split, SERIAL=cfg.serial, TMA=tma, HAS_BIAS=bias is not None,
-            BLOCK_M=cfg.bm,
-            BLOCK_N=cfg.bn, BLOCK_K=cfg.bk, GROUP_M=cfg.gm, num_warps=cfg.warps,
+            xo, wo, b, out, part, cnt, res, nw, ss, t, n, h, ks, x.stride(0), x.stride(1),
+            w_kv.stride(0), w_kv.stride(1), bias.stride(0) if bias is not None else 0,
+            out.stride(0), num_m, num_n, nss, SPLIT=cfg.split, SERIAL=cfg.serial, TMA=tma,
+            HAS_BIAS=bias is not None, BLOCK_M=cfg.bm, BLOCK_N=cfg.bn, BLOCK_K=cfg.bk,
+            GROUP_M=cfg.gm, ADD_NORM=add_norm is not None, num_warps=cfg.warps,
             num_stages=cfg.stages, **pdl_kwargs(x.device))
         return
     _kv_proj_kernel[(_grid(num_m * num_n, cfg.persistent, x.device),)](
-        xo, wo, b, out, t, n, h, x.stride(0), x.stride(1), w_kv.stride(0), w_kv.stride(1),
-        bias.stride(0) if bias is not None else 0, out.stride(0), num_m, num_n, TMA=tma,
-        PERSISTENT=cfg.persistent, HAS_BIAS=bias is not None, BLOCK_M=cfg.bm, BLOCK_N=cfg.bn,
-        BLOCK_K=cfg.bk, GROUP_M=cfg.gm, EVEN_K=h % cfg.bk == 0, GLU=False, LIBDEVICE_EXP=False,
-        num_warps=cfg.warps, num_stages=cfg.stages, **pdl_kwargs(x.device))
+        xo, wo, b, out, res, nw, ss, t, n, h, x.stride(0), x.stride(1), w_kv.stride(0),
+        w_kv.stride(1), bias.stride(0) if bias is not None else 0, out.stride(0), num_m, num_n,
+        nss, 0.0, TMA=tma, PERSISTENT=cfg.persistent, HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.bm, BLOCK_N=cfg.bn, BLOCK_K=cfg.bk, GROUP_M=cfg.gm,
+        EVEN_K=h % cfg.bk == 0, GLU=False, LIBDEVICE_EXP=False, ADD_NORM=add_norm is not None,
+        RSTD=False, NSSP=1, num_warps=cfg.warps, num_stages=cfg.stages, **pdl_kwargs(x.device))
+
+
+def proj_add_norm_(x, w, bias, residual, norm_weight, *, cfg: ProjCfg):
+    """A GEMM and the residual add + RMSNorm after it, with the norm's row scale left to the
+    next GEMM: ``residual += x @ w^T + bias`` (each rounded as the GEMM's output and as
+    ``fused_add_rms_norm_``'s sum), returns (u, ss): u = T(residual * norm_weight) [T, N] and
+    ss [T, NUM_N] fp32, the row's sum of squares in NUM_N partials. ``glu_proj(u, ..., rstd=
+    (ss, eps))`` then computes the normed input's GEMM: rstd(row) * (u @ w^T). The bits differ
+    from the unfused chain (one rounding of the normed row fewer, rstd applied after the sum):
+    the tolerance rule, not bit equality. residual: [T, N] contiguous, x's dtype."""
+    t, h = x.shape
+    n = w.shape[0]
+    num_n = triton.cdiv(n, cfg.bn)
+    u = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    ss = torch.empty((t, num_n), dtype=torch.float32, device=x.device)
+    if t and n:
+        launch_proj(x, w, bias, u, cfg, add_norm=(residual, norm_weight, ss))
+    return u, ss
 
 
 def glu_tile(cfg: ProjCfg) -> ProjCfg:
@@ -580,12 +650,14 @@ def glu_tile(cfg: ProjCfg) -> ProjCfg:
     return cfg._replace(bn=max(16, cfg.bn // 2), split=1, serial=False)
 
 
-def glu_proj(x, w_gu, bias=None, *, cfg: ProjCfg):
+def glu_proj(x, w_gu, bias=None, *, cfg: ProjCfg, rstd=None):
     """``silu_mul(x @ w_gu^T + bias)`` in one launch: w_gu [2I, H] holds the gate rows then the
     up rows (the models' gate_up), the result is [T, I]. Each program computes a gate and an up
     tile of the same I columns in one K loop, rounds both to the dtype (the GEMM's output) and
     applies triton/act.py's silu and product, so the result is bit for bit ``silu_mul`` of
-    ``kv_proj`` with the same tile (``cfg`` as given: see ``glu_tile``)."""
+    ``kv_proj`` with the same tile (``cfg`` as given: see ``glu_tile``). ``rstd`` = (ss, eps):
+    x is ``proj_add_norm_``'s u and each row's sums times rsqrt(sum(ss[row]) / H + eps) before
+    the rounding (the folded RMSNorm)."""
     t, h = x.shape
     n = w_gu.shape[0] // 2
     out = torch.empty((t, n), dtype=x.dtype, device=x.device)
@@ -599,13 +671,16 @@ def glu_proj(x, w_gu, bias=None, *, cfg: ProjCfg):
     num_m, num_n = triton.cdiv(t, cfg.bm), triton.cdiv(n, cfg.bn)
     xo, wo = _operands(x, w_gu, cfg.bm, cfg.bn, cfg.bk, tma)
     b = bias if bias is not None else out
+    ss, eps = rstd if rstd is not None else (out, 0.0)
+    nss = ss.shape[1] if rstd is not None else 1
     _kv_proj_kernel[(_grid(num_m * num_n, cfg.persistent, x.device),)](
-        xo, wo, b, out, t, n, h, x.stride(0), x.stride(1), w_gu.stride(0), w_gu.stride(1),
-        bias.stride(0) if bias is not None else 0, out.stride(0), num_m, num_n, TMA=tma,
-        PERSISTENT=cfg.persistent, HAS_BIAS=bias is not None, BLOCK_M=cfg.bm, BLOCK_N=cfg.bn,
-        BLOCK_K=cfg.bk, GROUP_M=cfg.gm, EVEN_K=h % cfg.bk == 0, GLU=True,
-        LIBDEVICE_EXP=not _interpreting(), num_warps=cfg.warps, num_stages=cfg.stages,
-        **pdl_kwargs(x.device))
+        xo, wo, b, out, out, out, ss, t, n, h, x.stride(0), x.stride(1), w_gu.stride(0),
+        w_gu.stride(1), bias.stride(0) if bias is not None else 0, out.stride(0), num_m, num_n,
+        nss, float(eps), TMA=tma, PERSISTENT=cfg.persistent, HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.bm, BLOCK_N=cfg.bn, BLOCK_K=cfg.bk, GROUP_M=cfg.gm,
+        EVEN_K=h % cfg.bk == 0, GLU=True, LIBDEVICE_EXP=not _interpreting(),
+        ADD_NORM=False, RSTD=rstd is not None, NSSP=triton.next_power_of_2(nss),
+        num_warps=cfg.warps, num_stages=cfg.stages, **pdl_kwargs(x.device))
     return out
 
 
