@@ -16,7 +16,8 @@ import pytest
 CASES = [(True, False), (True, True), (False, False), (False, True)]
 
 
-def _compile(tma: bool, ones: bool, serial: bool = False, pdl: bool = False):
+def _compile(tma: bool, ones: bool, serial: bool = False, pdl: bool = False,
+             add_norm: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -24,17 +25,19 @@ def _compile(tma: bool, ones: bool, serial: bool = False, pdl: bool = False):
     from dflash_ops.triton import context as tc
     fn = tc._proj_splitk_kernel
     consts = dict(SPLIT=4, SERIAL=serial, TMA=tma, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=32,
-                  BLOCK_K=128, GROUP_M=8, PDL=pdl)
+                  BLOCK_K=128, GROUP_M=8, ADD_NORM=add_norm, PDL=pdl)
     if ones:
         consts.update(T=1, NUM_M=1, NUM_N=1, x_st_k=1, w_st_k=1, b_st=1)
     ptrs = {"x_ptr": "tensordesc<bf16[16, 128]>" if tma else "*bf16",
             "w_ptr": "tensordesc<bf16[32, 128]>" if tma else "*bf16",
-            "b_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32"}
+            "b_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32",
+            "res_ptr": "*bf16", "nw_ptr": "*bf16", "ss_ptr": "*fp32"}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         sig[name] = "constexpr" if name in consts else ptrs.get(name, "i32")
-        aligned = ("b_ptr", "out_ptr", "part_ptr", "cnt_ptr", "H", "KS", "x_st_m", "w_st_n",
-                   "o_st_m") + (() if tma else ("x_ptr", "w_ptr"))  # JIT: 16-byte aligned
+        aligned = ("b_ptr", "out_ptr", "part_ptr", "cnt_ptr", "res_ptr", "nw_ptr", "ss_ptr",
+                   "H", "KS", "x_st_m", "w_st_n", "o_st_m") + \
+            (() if tma else ("x_ptr", "w_ptr"))  # JIT: 16-byte aligned
         if name in aligned:
             attrs[(i,)] = [["tt.divisibility", 16]]
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
@@ -50,6 +53,19 @@ def test_splitk_kernel_compiles_for_sm90(tma, ones):
     assert re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx), "counter atomic not acq_rel.gpu"
     assert "bar.sync" in ptx or "barrier.sync" in ptx
     assert re.search(r"atom\.global\.(gpu\.)?(relaxed\.)?(gpu\.)?exch", ptx), "no counter reset"
+
+
+@pytest.mark.parametrize("tma", [True, False])
+def test_splitk_add_norm_compiles_for_sm90(tma):
+    """o_proj's split-K launch with the folded norm's epilogue (ADD_NORM: the residual read,
+    added and written back, u and the tile's sum of squares stored) by the tile's last
+    program only: the loads and stores of res / u / ss sit after the counter's atomic."""
+    pytest.importorskip("triton.backends.nvidia", reason="triton without its CUDA backend")
+    ptx = _compile(tma, True, add_norm=True).asm["ptx"]
+    plain = _compile(tma, True).asm["ptx"]
+    atom = ptx.index("atom.global.gpu.acq_rel.add")
+    assert ptx.count("st.global") > plain.count("st.global")  # residual, u and ss stored
+    assert ptx.rfind("ld.global") > atom  # the residual read after the counter
 
 
 @pytest.mark.parametrize("tma", [True, False])
