@@ -324,9 +324,9 @@ def o_proj_norm_silu_mul(attn: torch.Tensor, w_o: torch.Tensor, b_o: Optional[to
     (``triton.context.proj_add_norm_``); gate | up applies the row's rstd in its epilogue
     before the SwiGLU (``glu_proj(rstd=...)``). Returns silu(gate) * up [T, I], or None where
     it does not apply (the caller runs linear, fused_add_rms_norm_, linear_silu_mul; also while
-    a backend is forced for either op). Not
-    bit-identical to that chain (the normed row is not rounded before the GEMM and rstd scales
-    the sum): within the tolerance rule; exact mode never folds."""
+    a backend is forced for either op). Not bit-identical to that chain (the GEMM reads the row
+    rounded once, T(x * w), where the chain rounds T(T(x * rstd) * w), and rstd scales the fp32
+    sum): within the tolerance rule; exact mode never folds."""
     if exact or attn.dim() != 2 or not attn.shape[0]:
         return None
     m, (n, k), dt = attn.shape[0], w_o.shape, attn.dtype
