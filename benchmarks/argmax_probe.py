@@ -3,7 +3,7 @@ row without torch.argmax's 11 us at 15 rows): Qwen3-8B's vocabulary (151936), th
 decode step (1 a request), a draft step (15 a request) and a verify step (16 a request), bf16 and
 fp32, CUDA-graph replay over enough input sets that the logits do not stay in L2.
 
-    python benchmarks/argmax_probe.py     # ~20 s; gpu_check.sh argmax runs it
+    python benchmarks/argmax_probe.py     # ~20 s; gpu_check.sh issue19 runs it
 
 Each case is first checked against the reference (the same indices as torch.argmax). The floor
 column is the logits' bytes over the copy rate measured in the same run.

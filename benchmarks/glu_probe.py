@@ -6,7 +6,7 @@ the post-attention norm folded (o_proj's epilogue adds the residual, gate_up's a
 ``proj_add_norm_`` + ``glu_proj(rstd=...)``) against o_proj + ``fused_add_rms_norm_`` +
 ``glu_proj``, o_proj [4096, 4096] with the table's launch.
 
-    python benchmarks/glu_probe.py        # ~20 s; gpu_check.sh argmax runs it too
+    python benchmarks/glu_probe.py        # ~20 s; gpu_check.sh issue19 runs it too
 
 Each case is first checked: the fused result equals the chain's with the same tile, bit for
 bit (the fold: within 2% of the chain's largest value; its bits differ by design). The floor column is the weight's bytes over the copy rate measured in the same run.

@@ -2,7 +2,7 @@
 # The one script run on the H200 (device tool): install (builds dflash_ops._C), info, check, the
 # GPU tests, the benchmarks. Logs and result tables go under $OUT (at most 8 files come back:
 # more are packed into $OUT/all.tgz at the end).
-# Usage: bash benchmarks/gpu_check.sh [build|fused|tests|sanitize|ncu|ncu-cases|vllm|vllm-counter|vllm-bench|dflash2|policy|bench|ctx|attn|linear|pdl-probe|ctx-probe|exact-probe|argmax|drafter|e2e|models|compare|profile|cmake|all]
+# Usage: bash benchmarks/gpu_check.sh [build|fused|tests|sanitize|ncu|ncu-cases|vllm|vllm-counter|vllm-bench|dflash2|policy|bench|ctx|attn|linear|pdl-probe|ctx-probe|exact-probe|issue19|drafter|e2e|models|compare|profile|cmake|all]
 #   all:     tests + bench + ctx; build: install, info and check only
 #   fused:   kv_proj's skinny cluster kernel: the GPU tests of the context kernels (-k cuda)
 #            and models.linear, ctx_probe (PDL on), then, where .vllm is carried, vLLM stock vs
@@ -46,9 +46,11 @@
 #            reports (issue 15's precompute part)
 #   exact-probe: benchmarks/exact_probe.py (PROBE_ARGS): which GEMM launches give exact mode's
 #            bits (issue 19: may exact mode change its tile with M and keep them?)
-#   argmax:  the GPU tests of row_argmax and glu_proj, then benchmarks/argmax_probe.py
-#            (row_argmax, triton and cuda, vs torch.argmax at the loop's logits shapes) and
-#            benchmarks/glu_probe.py (gate_up's SwiGLU epilogue vs GEMM + silu_mul): issue 19's
+#   issue19: the GPU tests of row_argmax (test_select_kernels -k argmax) and of the GEMM
+#            epilogues (all of tests/test_glu_proj.py: glu_proj, the folded norm), then
+#            benchmarks/argmax_probe.py (row_argmax, triton and cuda, vs torch.argmax at the
+#            loop's logits shapes) and benchmarks/glu_probe.py (gate_up's SwiGLU epilogue vs
+#            GEMM + silu_mul; the folded norm vs o_proj + fused_add_rms_norm_): issue 19's
 #            session-31 changes
 #   ncu-cases: Nsight Compute of one launch of each of benchmarks/ncu_cases.py's NCU_CASES
 #            (the DFlash 2 projection GEMM, o_proj, conv, top-k, ...): $OUT/ncu_<case>.ncu-rep,
@@ -386,9 +388,9 @@ if [ "$what" = exact-probe ]; then
   timeout 300 python3 benchmarks/exact_probe.py ${PROBE_ARGS:-} 2>&1 | tee "$OUT/exact_probe.log" \
     | grep -E "^[a-z_]+ N=|cuBLAS|exact rows"
 fi
-if [ "$what" = argmax ]; then
+if [ "$what" = issue19 ]; then  # -k: test_glu_proj's tests all match its module name
   timeout 240 python3 -m pytest -q -m gpu tests/test_select_kernels.py tests/test_glu_proj.py \
-    -k "argmax or glu" 2>&1 | tee "$OUT/pytest_argmax.log" | tail -3
+    -k "argmax or glu_proj" 2>&1 | tee "$OUT/pytest_issue19.log" | tail -3
   timeout 150 python3 benchmarks/argmax_probe.py 2>&1 | tee "$OUT/argmax_probe.log"
   timeout 150 python3 benchmarks/glu_probe.py 2>&1 | tee "$OUT/glu_probe.log"
 fi
