@@ -220,9 +220,12 @@ def check_fold_routing(device, dtype):
         assert L.o_proj_norm_silu_mul(attn, w_o, None, wide, nw, 1e-6, w_gu) is None
         assert L.o_proj_norm_silu_mul(attn, w_o, None, res.float(), nw, 1e-6, w_gu) is None
         from dflash_ops import dispatch
-        for op in ("silu_mul", "fused_add_rms_norm_"):  # a forced backend: nothing fused
+        for op in ("silu_mul", "fused_add_rms_norm_"):  # torch forced: nothing fused
             with dispatch.use_backend("torch", ops=(op,)):
                 assert L.o_proj_norm_silu_mul(attn, w_o, None, res, nw, 1e-6, w_gu) is None
+            with dispatch.use_backend("triton", ops=(op,)):  # exact mode's graph_backends
+                r = res.clone()
+                assert L.o_proj_norm_silu_mul(attn, w_o, None, r, nw, 1e-6, w_gu) is not None
     finally:
         L.choice = saved
 

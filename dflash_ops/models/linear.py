@@ -288,6 +288,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None,
     return kv_proj(x2, w, b, cfg=ProjCfg(*cfg)).view(*lead, n)
 
 
+def _forced_off(op: str) -> bool:
+    """Whether a backend other than triton is forced for ``op``: the models then run the op
+    itself, not a Triton GEMM epilogue standing in for it (exact mode's ``graph_backends``
+    forces triton, the graph default, and keeps the epilogues)."""
+    return dispatch.forced_backend(op) not in (None, "triton")
+
+
 def linear_silu_mul(x: torch.Tensor, w: torch.Tensor, exact: bool = False) -> torch.Tensor:
     """``silu_mul(linear(x, w, None, exact))`` for a gate | up weight w [2I, H] (gate rows, then
     up rows): [..., I]. Where ``linear`` would run the table's Triton GEMM without a K split
@@ -295,8 +302,9 @@ def linear_silu_mul(x: torch.Tensor, w: torch.Tensor, exact: bool = False) -> to
     GEMM's epilogue (``triton.context.glu_proj`` with half the N tile, so a program streams
     the same weight bytes): the [.., 2I] output never goes to memory and silu_mul's launch is
     gone. Elsewhere (eager calls, cuBLAS or split-K entries, N tiles under 32, exact mode, CPU,
-    a backend forced for silu_mul) the two calls. The fused result has the bits of the GEMM
-    with half the table's N tile, then silu_mul (the table's own tile may round otherwise)."""
+    a backend other than triton forced for silu_mul) the two calls. The fused result has the
+    bits of the GEMM with half the table's N tile, then silu_mul (the table's own tile may
+    round otherwise)."""
     if not exact and x.dim() >= 1 and x.shape[-1] == w.shape[1] and w.dtype == x.dtype:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
@@ -307,7 +315,7 @@ def linear_silu_mul(x: torch.Tensor, w: torch.Tensor, exact: bool = False) -> to
 
             pc = ProjCfg(*cfg)
             if (pc.split == 1 and not pc.serial and pc.bn >= 32
-                    and dispatch.forced_backend("silu_mul") is None):
+                    and not _forced_off("silu_mul")):
                 if x2.stride(-1) != 1:
                     x2 = x2.contiguous()
                 return glu_proj(x2, w, cfg=glu_tile(pc)).view(*lead, n // 2)
@@ -324,9 +332,9 @@ def o_proj_norm_silu_mul(attn: torch.Tensor, w_o: torch.Tensor, b_o: Optional[to
     (``triton.context.proj_add_norm_``); gate | up applies the row's rstd in its epilogue
     before the SwiGLU (``glu_proj(rstd=...)``). Returns silu(gate) * up [T, I], or None where
     it does not apply (the caller runs linear, fused_add_rms_norm_, linear_silu_mul; also while
-    a backend is forced for either op). Not bit-identical to that chain (the GEMM reads the row
-    rounded once, T(x * w), where the chain rounds T(T(x * rstd) * w), and rstd scales the fp32
-    sum): within the tolerance rule; exact mode never folds."""
+    a backend other than triton is forced for either op). Not bit-identical to that chain (the
+    GEMM reads the row rounded once, T(x * w), where the chain rounds T(T(x * rstd) * w), and
+    rstd scales the fp32 sum): within the tolerance rule; exact mode never folds."""
     if exact or attn.dim() != 2 or not attn.shape[0]:
         return None
     m, (n, k), dt = attn.shape[0], w_o.shape, attn.dtype
@@ -341,8 +349,8 @@ def o_proj_norm_silu_mul(attn: torch.Tensor, w_o: torch.Tensor, b_o: Optional[to
     from ..triton.context import ProjCfg, glu_proj, glu_tile, proj_add_norm_
 
     pg = ProjCfg(*cg)
-    if (pg.split > 1 or pg.serial or pg.bn < 32 or dispatch.forced_backend("silu_mul")
-            or dispatch.forced_backend("fused_add_rms_norm_")):
+    if (pg.split > 1 or pg.serial or pg.bn < 32 or _forced_off("silu_mul")
+            or _forced_off("fused_add_rms_norm_")):
         return None
     x = attn if attn.stride(-1) == 1 else attn.contiguous()
     u, ss = proj_add_norm_(x, w_o, b_o, residual, norm_weight.contiguous(), cfg=ProjCfg(*co))
