@@ -70,13 +70,19 @@ __device__ __forceinline__ long long unpack_idx(long long p) {
   return 0x7fffffffLL - (p & 0xffffffffLL);
 }
 
-// The block's max of v (every thread gets it); s holds kWarps values.
-__device__ __forceinline__ long long block_max(long long v, long long* s) {
+// The warp's max of v (every lane gets it).
+__device__ __forceinline__ long long warp_max(long long v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     const long long w = __shfl_xor_sync(0xffffffffu, v, o);
     v = w > v ? w : v;
   }
+  return v;
+}
+
+// The block's max of v (every thread gets it); s holds kWarps values.
+__device__ __forceinline__ long long block_max(long long v, long long* s) {
+  v = warp_max(v);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (lane == 0) s[warp] = v;
   __syncthreads();
@@ -231,9 +237,8 @@ void run(const TopkParams& p, cudaStream_t stream) {
 // row_argmax: z [M, V] in chunks of kArgChunk entries, a block per (row, chunk) takes its best
 // entry packed (so the first index wins ties, NaN above +inf), then a warp per row takes the
 // best of its chunks' and unpacks the index. A row of one chunk is done by the first kernel.
-constexpr int kArgThreads = 256;
 constexpr int kArgChunk = 4096;  // ARGMAX_CHUNK of dflash_ops/triton/select.py
-constexpr int kArgPer = kArgChunk / kArgThreads;
+constexpr int kArgPer = kArgChunk / kThreads;
 constexpr int64_t kArgMaxV = int64_t{1} << 24;  // ARGMAX_MAX_V of dflash_ops/ops/select.py
 
 struct ArgmaxParams {
@@ -245,41 +250,31 @@ struct ArgmaxParams {
 };
 
 template <class E>
-__global__ void __launch_bounds__(kArgThreads) argmax_chunk_kernel(const ArgmaxParams p) {
+__global__ void __launch_bounds__(kThreads) argmax_chunk_kernel(const ArgmaxParams p) {
   pdl_wait();  // launched as a programmatic dependent (common.cuh): the prior grid first
-  __shared__ long long s[kArgThreads / 32];
+  __shared__ long long s[kWarps];
   using Bits = typename E::Bits;
   const int64_t m = blockIdx.x / p.nch, c = blockIdx.x % p.nch;
   const Bits* row = static_cast<const Bits*>(p.z) + m * p.stride;
   Bits raw[kArgPer] = {};
 #pragma unroll
   for (int i = 0; i < kArgPer; ++i) {  // every load issued before the first compare
-    const int64_t col = c * kArgChunk + i * kArgThreads + threadIdx.x;
+    const int64_t col = c * kArgChunk + i * kThreads + threadIdx.x;
     if (col < p.v) raw[i] = row[col];
   }
   long long best = kEmpty;
 #pragma unroll
   for (int i = 0; i < kArgPer; ++i) {
-    const int64_t col = c * kArgChunk + i * kArgThreads + threadIdx.x;
+    const int64_t col = c * kArgChunk + i * kThreads + threadIdx.x;
     if (col < p.v) {
       const long long e = pack(E::to_float(raw[i]), col);
       best = e > best ? e : best;
     }
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const long long w = __shfl_xor_sync(0xffffffffu, best, o);
-    best = w > best ? w : best;
-  }
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (lane == 0) s[warp] = best;
-  __syncthreads();
+  best = block_max(best, s);
   if (threadIdx.x == 0) {
-    long long r = s[0];
-#pragma unroll
-    for (int w = 1; w < kArgThreads / 32; ++w) r = s[w] > r ? s[w] : r;
-    if (p.nch == 1) p.idx[m] = unpack_idx(r);
-    else p.part[m * p.nch + c] = r;
+    if (p.nch == 1) p.idx[m] = unpack_idx(best);
+    else p.part[m * p.nch + c] = best;
   }
 }
 
@@ -289,18 +284,13 @@ __global__ void __launch_bounds__(32) argmax_merge_kernel(const ArgmaxParams p) 
   const long long* part = p.part + m * p.nch;
   long long best = kEmpty;
   for (int j = threadIdx.x; j < p.nch; j += 32) best = part[j] > best ? part[j] : best;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const long long w = __shfl_xor_sync(0xffffffffu, best, o);
-    best = w > best ? w : best;
-  }
+  best = warp_max(best);
   if (threadIdx.x == 0) p.idx[m] = unpack_idx(best);
 }
 
 template <class E>
 void run_argmax(const ArgmaxParams& p, int64_t m, cudaStream_t stream) {
-  launch_kernel(argmax_chunk_kernel<E>, static_cast<unsigned>(m * p.nch), kArgThreads, 0, stream,
-                p);
+  launch_kernel(argmax_chunk_kernel<E>, static_cast<unsigned>(m * p.nch), kThreads, 0, stream, p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (p.nch > 1) {
     launch_kernel(argmax_merge_kernel, static_cast<unsigned>(m), 32, 0, stream, p);
