@@ -320,7 +320,7 @@ def test_linear_silu_mul_graph_gpu(monkeypatch, m):
 
     cfg = (16, 64, 128, 8, 4, 4, True, False)
     monkeypatch.setattr(L, "TABLE", {(24576, 4096): {L.m_bucket(m): cfg}})
-    monkeypatch.setattr(L, "TABLE_GPU", None)
+    monkeypatch.setattr(L, "TABLE_GPUS", None)
     x, w, _ = glu_case(m, 12288, 4096, False, torch.bfloat16, "cuda", 3)
     out = {}
 
@@ -364,7 +364,7 @@ def test_fold_graph_gpu(monkeypatch, m):
     monkeypatch.setattr(L, "TABLE", {(4096, 4096): {L.m_bucket(m): o_cfg},
                                      (24576, 4096): {L.m_bucket(m): (16, 64, 128, 8, 4, 4, True,
                                                                      False)}})
-    monkeypatch.setattr(L, "TABLE_GPU", None)
+    monkeypatch.setattr(L, "TABLE_GPUS", None)
     dt = torch.bfloat16
     attn, w_o, _, res, nw, w_gu = fold_case(m, 4096, 4096, 12288, False, dt, "cuda", 1)
     out = {}

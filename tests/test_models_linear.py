@@ -56,7 +56,7 @@ def test_parse_table_takes_a_cuda_entry_where_the_skinny_kernel_won():
 
 def test_choice_takes_a_cuda_entry_eager_too(monkeypatch):
     monkeypatch.setattr(L, "TABLE", {(64, 32): {1: L.CUDA_CFG, 64: L.CUDA_CFG}})
-    monkeypatch.setattr(L, "TABLE_GPU", None)
+    monkeypatch.setattr(L, "TABLE_GPUS", None)
     monkeypatch.setattr(L.dispatch, "has_backend", lambda op, backend: True)
     cuda = torch.device("cuda")
     assert L.choice(1, 64, 32, torch.bfloat16, cuda, graph=False) == L.CUDA_CFG  # a C++ launch
@@ -80,7 +80,7 @@ def test_shipped_table_loads():
 
 def test_choice_is_the_table_on_cuda_half_else_cublas(monkeypatch):
     monkeypatch.setattr(L, "TABLE", {(64, 32): {16: tuple(CFG)}})
-    monkeypatch.setattr(L, "TABLE_GPU", None)  # a table that names no GPU: any
+    monkeypatch.setattr(L, "TABLE_GPUS", None)  # a table that names no GPU: any
     cuda = torch.device("cuda")
     assert L.choice(16, 64, 32, torch.bfloat16, cuda, graph=True) == tuple(CFG)
     assert L.choice(16, 64, 32, torch.float16, cuda, graph=True) == tuple(CFG)
@@ -127,7 +127,7 @@ def test_triton_path_matches_f_linear_gpu(monkeypatch, m):
     n, k = 4096, 1024
     cfg = (16 if m <= 16 else 64, 32, 128, 8, 4, 3, True, False)
     monkeypatch.setattr(L, "TABLE", {(n, k): {L.m_bucket(m): cfg}})
-    monkeypatch.setattr(L, "TABLE_GPU", None)  # this table holds on any GPU
+    monkeypatch.setattr(L, "TABLE_GPUS", None)  # this table holds on any GPU
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
@@ -150,7 +150,7 @@ def test_cuda_entry_runs_the_skinny_kernel_gpu(monkeypatch, m):
         pytest.skip("no CUDA extension")
     n, k = 4096, 1024
     monkeypatch.setattr(L, "TABLE", {(n, k): {L.m_bucket(m): L.CUDA_CFG}})
-    monkeypatch.setattr(L, "TABLE_GPU", None)
+    monkeypatch.setattr(L, "TABLE_GPUS", None)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
@@ -165,15 +165,26 @@ def test_cuda_entry_runs_the_skinny_kernel_gpu(monkeypatch, m):
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=2e-2)
 
 
-def test_the_table_holds_only_on_the_gpu_it_was_measured_on(monkeypatch):
+def test_the_table_holds_only_on_the_gpus_it_names(monkeypatch):
     monkeypatch.setattr(L, "TABLE", {(64, 32): {16: tuple(CFG)}})
-    monkeypatch.setattr(L, "TABLE_GPU", "NVIDIA H200")
+    monkeypatch.setattr(L, "TABLE_GPUS", ("NVIDIA H200", "NVIDIA H100 80GB HBM3"))
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(L, "_device_name", lambda i: "NVIDIA A100-SXM4-80GB")
     assert L.choice(16, 64, 32, torch.bfloat16, cuda, graph=True) is None  # cuBLAS elsewhere
-    monkeypatch.setattr(L, "_device_name", lambda i: "NVIDIA H200")
-    assert L.choice(16, 64, 32, torch.bfloat16, cuda, graph=True) == tuple(CFG)
-    assert L._load()[2] == "NVIDIA H200"  # the shipped table names its GPU
+    monkeypatch.setattr(L, "_device_name", lambda i: "NVIDIA H100 PCIe")  # not the SXM part
+    assert L.choice(16, 64, 32, torch.bfloat16, cuda, graph=True) is None
+    for name in ("NVIDIA H200", "NVIDIA H100 80GB HBM3"):
+        monkeypatch.setattr(L, "_device_name", lambda i: name)
+        assert L.choice(16, 64, 32, torch.bfloat16, cuda, graph=True) == tuple(CFG)
+    # the shipped table names the GPU it was measured on first, then the H100 (session 32)
+    assert L._load()[2] == ("NVIDIA H200", "NVIDIA H100 80GB HBM3")
+
+
+def test_table_gpus_reads_env_gpu_and_holds_on():
+    assert L.table_gpus({"env": {}}) is None  # names no GPU: holds on any
+    assert L.table_gpus({"env": {"gpu": "A"}}) == ("A",)
+    doc = {"env": {"gpu": "A"}, "holds_on": [{"gpu": "B", "measured": "x"}, {"gpu": "A"}]}
+    assert L.table_gpus(doc) == ("A", "B")
 
 
 @pytest.mark.gpu
@@ -187,7 +198,7 @@ def test_split_k_path_matches_f_linear_gpu(monkeypatch, m, split, tma):
     n, k = 1280, 5120  # DFlash 2's kernel projection
     cfg = (16 if m <= 16 else 64, 32, 128, 8, 4, 3, tma, False, split)
     monkeypatch.setattr(L, "TABLE", {(n, k): {L.m_bucket(m): cfg}})
-    monkeypatch.setattr(L, "TABLE_GPU", None)  # this table holds on any GPU
+    monkeypatch.setattr(L, "TABLE_GPUS", None)  # this table holds on any GPU
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16)

@@ -23,9 +23,10 @@ within the family whose bits depend on the slices alone (``exact_compatible``: w
 
 ``TABLE`` comes from ``linear_table.json`` next to this file, written by
 ``benchmarks/sweep_linear.py --write-table`` from measurements on the H200 (each entry: the
-config and both times; ``exact``: exact mode's fastest launch per shape and M bucket); without
-the file, or on a GPU other than the one it names, every layer uses cuBLAS and exact mode its
-one default launch. The choice depends on shapes only, so a captured graph replays with any
+config and both times; ``exact``: exact mode's fastest launch per shape and M bucket;
+``holds_on``: other GPUs where end-to-end runs found the table faster than cuBLAS); without the
+file, or on a GPU it does not name, every layer uses cuBLAS and exact mode its one default
+launch. The choice depends on shapes only, so a captured graph replays with any
 values.
 
 A table entry whose cfg is ``["cuda"]`` (``CUDA_CFG``) runs the C++ ``kv_proj`` instead: at
@@ -122,12 +123,23 @@ def parse_exact(doc: dict, strict: bool = False) -> Table:
     return table
 
 
-def _load() -> Tuple[Table, Table, Optional[str]]:
+def table_gpus(doc: dict) -> Optional[Tuple[str, ...]]:
+    """The GPUs a table document holds on: the one it was measured on (``env.gpu``) and those
+    its ``holds_on`` entries name ({"gpu": name, "measured": how}: end-to-end runs that found
+    the table faster there than cuBLAS everywhere); None: a table that names no GPU holds on
+    any."""
+    gpu = doc.get("env", {}).get("gpu")
+    if gpu is None:
+        return None
+    return (gpu,) + tuple(h["gpu"] for h in doc.get("holds_on", []) if h["gpu"] != gpu)
+
+
+def _load() -> Tuple[Table, Table, Optional[Tuple[str, ...]]]:
     if not TABLE_PATH.exists():
         return {}, {}, None
     with open(TABLE_PATH) as f:
         doc = json.load(f)
-    return parse_table(doc), parse_exact(doc), doc.get("env", {}).get("gpu")
+    return parse_table(doc), parse_exact(doc), table_gpus(doc)
 
 
 @functools.lru_cache(maxsize=None)
@@ -136,12 +148,12 @@ def _device_name(index: int) -> str:
 
 
 def table_applies(device: torch.device) -> bool:
-    """Whether the table's choices hold on ``device``: the GPU it was measured on (or a
-    table that names none)."""
-    if TABLE_GPU is None:
+    """Whether the table's choices hold on ``device``: the GPU it was measured on, one its
+    ``holds_on`` names, or any where the table names none."""
+    if TABLE_GPUS is None:
         return True
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _device_name(index) == TABLE_GPU
+    return _device_name(index) in TABLE_GPUS
 
 
 def choice(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
@@ -254,11 +266,12 @@ def exact_default(m: int, n: int, k: int, device: torch.device):
     return ProjCfg(*EXACT_CFG, split=split, serial=exact_serial(m, n, k, split, sms))
 
 
-# the tables and the GPU they were measured on (the env's "gpu", torch.cuda.get_device_name):
-# their configs are that GPU's winners, so on another GPU every layer runs cuBLAS and exact
-# mode its default launch (an H200 split-K or tile choice can lose to cuBLAS elsewhere, and
-# sm_80 has no TMA)
-TABLE, EXACT_TABLE, TABLE_GPU = _load()
+# the tables and the GPUs they hold on (the env's "gpu", torch.cuda.get_device_name, and the
+# document's "holds_on"): their configs are the H200's winners, also faster than cuBLAS end to
+# end on the H100 (session 32); on another GPU every layer runs cuBLAS and exact mode its
+# default launch (an H200 split-K or tile choice can lose to cuBLAS elsewhere, and sm_80 has
+# no TMA)
+TABLE, EXACT_TABLE, TABLE_GPUS = _load()
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None,
