@@ -596,6 +596,9 @@ def test_bench_policy_merge_joins_runs_and_judges_the_grid(tmp_path):
     summary = res.tables()[bp.SUMMARY]
     assert len(summary) == 3 * len(bp.P_GRID)  # B=8 S=1024 once: b's rows replace a's
     assert all(r[bp.RATIO] == pytest.approx(0.99) for r in summary if r["case"] == "B=8 S=1024")
+    # cases by batch, then context (not the files' order, not the text's: "8192" < "1024" x 8)
+    assert list(dict.fromkeys(r["case"] for r in summary)) == ["B=1 S=1024", "B=1 S=8192",
+                                                                "B=8 S=1024"]
     v = [n for n in res.notes if n.startswith("verdict:")]
     assert "at 18 of 18 points" in v[0] and "faster than both at 1 " in v[0]
     assert "best 1.050 at B=1 S=8192 p=0.6" in v[0]

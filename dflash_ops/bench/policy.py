@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -374,13 +375,22 @@ def merge(paths: Sequence[str], out_dir=None, make_plot: bool = True) -> Results
                          f"{doc.get('commit')}, copy {fl.get('copy_GBps')} GB/s; cases "
                          + ", ".join(map(str, cases)))
     order = {t: i for i, t in enumerate((TABLE, SUMMARY))}
-    res.rows = sorted(rows.values(), key=lambda r: order.get(r.get("table"), 2))
+    # cases in (batch, context) order whatever order the files came in (a stable sort keeps
+    # each case's rows as they were)
+    res.rows = sorted(rows.values(), key=lambda r: (order.get(r.get("table"), 2),
+                                                    _case_key(r.get("case"))))
     notes = [n for _, d in docs for n in d.get("notes", []) if not n.startswith("verdict:")]
     res.notes += list(dict.fromkeys(notes))
     res.notes += verdict(res.rows, CASES)
     res.plot = lambda path: plot(res, path)
     res.write(out_dir, plot=make_plot)
     return res
+
+
+def _case_key(case) -> tuple:
+    """"B=8 S=1024" -> (8, 1024); a case of another form sorts after them, by its text."""
+    m = re.fullmatch(r"B=(\d+) S=(\d+)", str(case))
+    return (0, int(m[1]), int(m[2]), "") if m else (1, 0, 0, str(case))
 
 
 def plot(res: Results, path) -> Optional[str]:
