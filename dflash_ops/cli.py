@@ -65,6 +65,24 @@ def device_arg(text: str) -> str:
     return text
 
 
+def linear_table_line() -> str:
+    """Which GPUs the models' linear table (models/linear_table.json) holds on, and whether it
+    holds on this one: where it does not, every linear layer runs cuBLAS."""
+    import torch
+
+    from .models import linear as L
+
+    gpus = L.TABLE_GPUS
+    if not L.TABLE:
+        return "linear table: none (every linear layer runs cuBLAS)"
+    where = "any GPU" if gpus is None else ", ".join(gpus)
+    if not torch.cuda.is_available():
+        return f"linear table: holds on {where} (no GPU here)"
+    here = L.table_applies(torch.device("cuda", torch.cuda.current_device()))
+    return (f"linear table: holds on {where}; here: "
+            + ("yes (our Triton GEMMs where they won)" if here else "no (cuBLAS)"))
+
+
 def _info(args) -> int:
     import torch
 
@@ -86,6 +104,7 @@ def _info(args) -> int:
         print("GPU: none (CPU only: ops run the torch reference; triton under TRITON_INTERPRET=1)")
     st = _ext.STATUS
     print(f"CUDA extension: {st['how']} ({st['detail']})")
+    print(linear_table_line())
     print()
     # default: the op's declared backend on CUDA (every call recorded into a CUDA graph); eager:
     # the declared one for calls outside capture, where it differs; runs: what an eager / a

@@ -188,3 +188,23 @@ def test_info_lists_every_op_with_its_default(capsys):
         row = (rf"^{name} +(yes|-) +(yes|-) +(yes|-) +{op.default} +{op.eager or '-'} "
                rf"+\w+ / \w+$")
         assert re.search(row, out, re.M), name
+    # the linear table's GPUs (the shipped one names the H200 and the H100)
+    assert re.search(r"^linear table: holds on NVIDIA H200, NVIDIA H100 80GB HBM3", out, re.M)
+
+
+def test_linear_table_line(monkeypatch):
+    from dflash_ops import cli
+    from dflash_ops.models import linear as L
+    monkeypatch.setattr(L, "TABLE", {})
+    assert cli.linear_table_line() == "linear table: none (every linear layer runs cuBLAS)"
+    monkeypatch.setattr(L, "TABLE", {(64, 32): {16: (16, 32, 64, 8, 4, 3, False, False)}})
+    monkeypatch.setattr(L, "TABLE_GPUS", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.linear_table_line() == "linear table: holds on any GPU (no GPU here)"
+    monkeypatch.setattr(L, "TABLE_GPUS", ("NVIDIA H200",))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for name, want in (("NVIDIA H200", "yes"), ("NVIDIA A100-SXM4-80GB", "no (cuBLAS)")):
+        monkeypatch.setattr(L, "_device_name", lambda i: name)
+        assert cli.linear_table_line().startswith(f"linear table: holds on NVIDIA H200; here: "
+                                                  f"{want}"), name
