@@ -170,9 +170,8 @@ def main():
                 e["measured"] = f"{doc['env'].get('date')} {doc['env'].get('commit')}"
             # (N, K, M) not measured in this run keep their entry from the table on disk
             done = {(e["n"], e["k"], e["m"]) for e in entries}
-            old = (json.loads(L.TABLE_PATH.read_text()).get("entries", [])
-                   if L.TABLE_PATH.exists() else [])
-            kept = [e for e in old if (e["n"], e["k"], e["m"]) not in done]
+            old_doc = json.loads(L.TABLE_PATH.read_text()) if L.TABLE_PATH.exists() else {}
+            kept = [e for e in old_doc.get("entries", []) if (e["n"], e["k"], e["m"]) not in done]
             # exact mode: the fastest launch of its family at every M bucket measured (kept
             # even where the default launch is as fast: the choice is measured either way)
             exact = [dict(name=e["name"], n=e["n"], k=e["k"], m=e["m"],
@@ -180,16 +179,13 @@ def main():
                           cublas_us=e["cublas_us"],
                           measured=f"{doc['env'].get('date')} {doc['env'].get('commit')}")
                      for e in entries if "exact_best_cfg" in e and e["m"] in L.M_BUCKETS]
-            old_exact = (json.loads(L.TABLE_PATH.read_text()).get("exact", [])
-                         if L.TABLE_PATH.exists() else [])
             # old entries still in exact mode's family (a changed EXACT_CFG or split rule
             # retires them)
-            exact += [e for e in old_exact if (e["n"], e["k"], e["m"]) not in done
+            exact += [e for e in old_doc.get("exact", []) if (e["n"], e["k"], e["m"]) not in done
                       and L.exact_compatible(tuple(e["cfg"]), e["n"], e["k"]) is None]
             # other GPUs' end-to-end checks carry over (they judged the previous table: the
             # printed line asks for a rerun there)
-            holds_on = [h for h in (json.loads(L.TABLE_PATH.read_text()).get("holds_on", [])
-                                    if L.TABLE_PATH.exists() else [])
+            holds_on = [h for h in old_doc.get("holds_on", [])
                         if h["gpu"] != doc["env"].get("gpu")]
             L.TABLE_PATH.write_text(json.dumps(dict(env=doc["env"], holds_on=holds_on,
                                                     entries=keep + kept, exact=exact),
