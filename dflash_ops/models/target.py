@@ -283,15 +283,10 @@ class Target:
         if bad:
             raise ValueError(f"Target.forward: tap_layers {bad} outside [0, {cfg.num_layers})")
 
-        # Per-token request and position; attention metadata (no host sync).
-        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
-        qsl = torch.cat([zero, q_lens.cumsum(0)])
-        tok_req = torch.repeat_interleave(torch.arange(len(q_lens), device=self.device), q_lens,
-                                          output_size=t)
-        pos = starts[tok_req] + torch.arange(t, device=self.device) - qsl[tok_req]
-        meta = Tokens(cfg, self.cos_sin, pos, self.cache.slots(requests[tok_req], pos),
-                      self.cache.block_table[requests], (starts + q_lens).to(torch.int32),
-                      qsl.to(torch.int32), exact=self.exact,
+        # Per-token position and cache slot; attention metadata (no host sync; one launch)
+        pos, slots, seq_lens, qsl = self.cache.token_meta(requests, starts, q_lens, t)
+        meta = Tokens(cfg, self.cos_sin, pos, slots, self.cache.block_table[requests], seq_lens,
+                      qsl, exact=self.exact,
                       split_keys=exact_split_keys(self.cache.max_blocks * self.cache.block_size)
                       if self.exact and t <= EXACT_MAX_TOKENS else 0)
 
