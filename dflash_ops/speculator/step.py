@@ -488,15 +488,16 @@ class DecodeIteration(Iteration):
         if state is not self._state:  # the graphs bake in a call's state tensors
             long = dict(dtype=torch.long, device=self.device)
             self._graphs, self._state, self._rows_key = {}, state, None
-            self._alive = torch.ones(n + 1, dtype=torch.bool, device=self.device)  # n: none's
+            # rows still decoding this iteration: self._rows, a request's entry -1 once done
+            self._live = torch.full((self.vstep.max_batch,), -1, **long)
             self._acc = torch.zeros(2, self.vstep.max_batch, **long)  # (done, kept) summed
         vs = self.vstep
         bucket = vs.bucket(r)
         self._load_rows(rows, bucket)
-        # (alive and the sums a capture's warm-up also moves are reset below anyway)
+        # (live and the sums a capture's warm-up also moves are reset below anyway)
         spent = self._capture_committing(self._graphs, bucket, state,
                                          lambda: self._step(state, bucket))
-        self._alive.fill_(True)  # every request in rows is active as the call begins
+        self._live.copy_(self._rows)  # every request in rows is active as the call begins
         self._acc.zero_()
         todo = self.steps if max_steps is None else max(1, min(self.steps, int(max_steps)))
         for _ in range(todo):
@@ -513,14 +514,13 @@ class DecodeIteration(Iteration):
         return [bool(f) for f in got[0]], got[1]
 
     def _step(self, state: State, bucket: int) -> None:
-        """One decode step of ``bucket`` rows (``self._rows``; past the active ones -1): a row
-        whose request finished in an earlier step of the iteration (``alive`` false) becomes
-        -1 too, which prepare_step_ pads (the scratch slot) and the commit skips; the step's
-        flags are added to ``self._acc``."""
-        vs, s, n = self.vstep, state, state.n_out.shape[0]
-        rows = self._rows[:bucket]
-        slot = torch.where((rows >= 0) & (rows < n), rows, torch.full_like(rows, n))
-        live = torch.where(self._alive[slot], rows, torch.full_like(rows, -1))
+        """One decode step of ``bucket`` rows (``self._live``: ``self._rows``, -1 past the
+        active ones and where a request finished in an earlier step of the iteration), which
+        prepare_step_ pads (the scratch slot) and the commit skips; a row whose request
+        finishes now becomes -1; the step's flags are added to ``self._acc``. Three small
+        kernels besides the step's own (the row bookkeeping by request slot took ~14)."""
+        vs, s = self.vstep, state
+        live = self._live[:bucket]
         none = torch.zeros(bucket, 0, dtype=torch.long, device=self.device)
         with dispatch.without_debug_checks():  # -1 rows on purpose (DFLASH_OPS_DEBUG=1)
             prepare_step_(live, s.last, s.start, none, None, None, 0, vs.scratch,
@@ -529,9 +529,9 @@ class DecodeIteration(Iteration):
         with dispatch.without_debug_checks():
             kept, fin, _ = greedy_commit(vs.ids[:bucket], post, live, s.n_out, s.start,
                                          s.last, s.out_tokens, s.stop, s.max_new)
-        self._alive.index_put_((slot,), self._alive[slot] & ~fin)  # padded rows: slot n
-        self._acc[0, :bucket] |= fin.long()
-        self._acc[1, :bucket] += kept
+        live.masked_fill_(fin, -1)  # padded and skipped rows never finish: they stay -1
+        self._acc[0, :bucket].bitwise_or_(fin)  # in place on the view: no copy back
+        self._acc[1, :bucket].add_(kept)
 
     def _draft(self, state: State, rows: torch.Tensor) -> tuple:
         flush_pending(self.drafter, state, 1)
