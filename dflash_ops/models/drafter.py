@@ -150,7 +150,9 @@ class DFlashDrafter:
 
     # ------------------------------------------------------------------------------ block
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        x = F.embedding(ids, self.embed) * self.cfg.input_embedding_scale
+        x = F.embedding(ids, self.embed)
+        if self.cfg.input_embedding_scale != 1:  # (a multiply by 1 is a kernel for nothing)
+            x = x * self.cfg.input_embedding_scale
         if self.mask_embedding is not None:
             x = torch.where((ids == self.cfg.mask_token_id)[:, None],
                             self.mask_embedding.to(x.dtype)[None, :], x)

@@ -292,13 +292,17 @@ class Target:
 
         x = F.embedding(ids, self.embed)   # the residual stream
         h = None                           # last layer output not yet added into x
-        tapped = {}
+        # the taps written into their columns as each tap layer ends (no concatenation after)
+        hs = x.shape[-1]
+        tap_out = x.new_empty(t, len(taps) * hs) if tap_layers is not None else None
         for i, layer in enumerate(self.layers):
             h = layer(x, h, self.cache.k[i], self.cache.v[i], meta)
             if i in taps:   # the layer's output: complete the residual add now
                 x.add_(h)
                 h = None
-                tapped[i] = x.clone()
+                for k, j in enumerate(taps):
+                    if j == i:
+                        tap_out[:, k * hs:(k + 1) * hs].copy_(x)
 
         if h is None:
             h = OPS.rms_norm(x, self.norm, cfg.rms_norm_eps)
@@ -309,9 +313,6 @@ class Target:
         logits = linear(h, self.lm_head, None, self.exact)
         if fp32_logits:
             logits = logits.float()
-        tap_out = None
-        if tap_layers is not None:
-            tap_out = torch.cat([tapped[i] for i in taps], dim=-1) if taps else x.new_zeros(t, 0)
         return logits, tap_out
 
     __call__ = forward
