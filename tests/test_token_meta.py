@@ -78,6 +78,26 @@ def check(device):
         assert [t.tolist() for t in outs] == list(want), (req, st, ql, "triton")
 
 
+def check_strided(device):
+    """Expanded and strided index tensors (the drafter's parity test adds context with one
+    request expanded over its rows): the kernel's wrapper copies them."""
+    from dflash_ops.triton.loop import token_meta
+
+    cache = make_cache(device)
+    pos = torch.arange(-1, 9, device=device)
+    for req in (torch.tensor([2], device=device).expand(10),
+                torch.tensor([[3, 0]] * 10, device=device)[:, 0]):
+        outs = (torch.empty(10, dtype=torch.long, device=device),
+                torch.empty(10, dtype=torch.long, device=device),
+                torch.empty(10, dtype=torch.int32, device=device),
+                torch.empty(11, dtype=torch.int32, device=device))
+        token_meta(req, pos[::1], None, 1, cache.block_table, cache.block_size,
+                   cache.num_blocks, *outs)
+        want = token_meta_ref(cache, req, pos, None, 10)
+        assert all(torch.equal(a, b) for a, b in zip(outs, want)), req.stride()
+        assert outs[1][0] == -1 and (outs[1][1:] >= 0).all()
+
+
 def test_reference_equals_a_per_token_loop():
     cache = make_cache()
     for req, st, ql, block in CASES:
@@ -99,6 +119,7 @@ def test_cache_token_meta_on_cpu_is_the_reference():
 _SCRIPT = r"""
 import tests.test_token_meta as t
 t.check("cpu")
+t.check_strided("cpu")
 print("interp-ok")
 """
 
@@ -110,6 +131,7 @@ def test_triton_kernel_under_interpreter():
 @pytest.mark.gpu
 def test_triton_kernel_gpu():
     check("cuda")
+    check_strided("cuda")
 
 
 @pytest.mark.gpu

@@ -494,7 +494,10 @@ class DecodeIteration(Iteration):
         vs = self.vstep
         bucket = vs.bucket(r)
         self._load_rows(rows, bucket)
-        # (live and the sums a capture's warm-up also moves are reset below anyway)
+        # the capture's warm-up step runs on this call's rows (live and the sums it moves
+        # are reset below)
+        if self.graphs and bucket not in self._graphs:
+            self._live.copy_(self._rows)
         spent = self._capture_committing(self._graphs, bucket, state,
                                          lambda: self._step(state, bucket))
         self._live.copy_(self._rows)  # every request in rows is active as the call begins

@@ -322,6 +322,9 @@ def token_meta(requests, starts, q_lens, block: int, table, block_size: int, num
         qsl.zero_()
         return
     var = q_lens is not None
+    # the kernel reads unit-stride vectors: an expanded or strided index is copied
+    requests, starts = requests.contiguous(), starts.contiguous()
+    q_lens = q_lens.contiguous() if var else None
     _token_meta_kernel[(r,)](
         requests, starts, q_lens if var else starts, table, pos, slots, seq_lens, qsl,
         r, pos.shape[0], table.shape[0], table.shape[1], num_blocks, block_size,
