@@ -474,6 +474,14 @@ class DecodeIteration(Iteration):
         if self.fused:  # the active request slots, -1 past them (padding)
             self._rows = torch.full((vstep.max_batch,), -1, dtype=torch.long,
                                     device=self.device)
+            # the steps' context rows wait in per-bucket buffers (``_ctx``: taps, request
+            # slots, positions of each step's rows, the step's index ``_k`` on the device) and
+            # go to the drafter once an iteration, after its steps: one read of the drafter's
+            # fc and K/V weights (~250 MB at Qwen3-8B-DFlash-b16's shapes) for ``steps``
+            # tokens instead of one a token. The drafter drafts only after the iteration.
+            vstep.add_context_in_step = False
+            self._ctx: dict = {}
+            self._k = torch.zeros(1, dtype=torch.long, device=self.device)
 
     def __call__(self, state: State, rows: torch.Tensor,
                  max_steps: Optional[int] = None) -> Tuple[List[bool], List[int]]:
@@ -498,16 +506,21 @@ class DecodeIteration(Iteration):
         # are reset below)
         if self.graphs and bucket not in self._graphs:
             self._live.copy_(self._rows)
+            self._k.zero_()
         spent = self._capture_committing(self._graphs, bucket, state,
                                          lambda: self._step(state, bucket))
         self._live.copy_(self._rows)  # every request in rows is active as the call begins
         self._acc.zero_()
+        self._k.zero_()
         todo = self.steps if max_steps is None else max(1, min(self.steps, int(max_steps)))
         for _ in range(todo):
             if self.graphs:
                 self._graphs[bucket][0].replay()
             else:
                 self._step(state, bucket)
+        taps, req, pos = self._ctx[bucket]  # the iteration's context rows, in one call
+        self.drafter.add_context(taps[:todo].flatten(0, 1), req[:todo].flatten(),
+                                 pos[:todo].flatten())
         got = self._acc[:, :r].tolist()  # the iteration's one host read
         st.host_syncs += 1
         st.seconds["verify"] += time.perf_counter() - t0 - spent
@@ -525,10 +538,25 @@ class DecodeIteration(Iteration):
         vs, s = self.vstep, state
         live = self._live[:bucket]
         none = torch.zeros(bucket, 0, dtype=torch.long, device=self.device)
+        if bucket not in self._ctx:  # (allocated before a capture: the graph keeps them)
+            long = dict(dtype=torch.long, device=self.device)
+            width = self.drafter.cfg.n_taps * self.drafter.cfg.target_hidden_size
+            self._ctx[bucket] = (
+                torch.zeros(self.steps, bucket, width, dtype=self.drafter.dtype,
+                            device=self.device),
+                torch.zeros(self.steps, bucket, **long), torch.full((self.steps, bucket), -1,
+                                                                    **long))
         with dispatch.without_debug_checks():  # -1 rows on purpose (DFLASH_OPS_DEBUG=1)
             prepare_step_(live, s.last, s.start, none, None, None, 0, vs.scratch,
                           vs.ids[:bucket], vs.requests[:bucket], vs.start[:bucket])
-        _, post, _ = vs._step(bucket)
+        _, post, taps = vs._step(bucket)
+        # this step's context rows (the input token's taps at its request and position;
+        # padded rows: the scratch slot at 0, as the step would have added them) into row k
+        ctx_taps, ctx_req, ctx_pos = self._ctx[bucket]
+        ctx_taps.index_copy_(0, self._k, taps.to(ctx_taps.dtype)[None])
+        ctx_req.index_copy_(0, self._k, vs.requests[None, :bucket])
+        ctx_pos.index_copy_(0, self._k, vs.start[None, :bucket])
+        self._k.add_(1)
         with dispatch.without_debug_checks():
             kept, fin, _ = greedy_commit(vs.ids[:bucket], post, live, s.n_out, s.start,
                                          s.last, s.out_tokens, s.stop, s.max_new)
