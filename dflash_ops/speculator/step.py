@@ -502,6 +502,14 @@ class DecodeIteration(Iteration):
         vs = self.vstep
         bucket = vs.bucket(r)
         self._load_rows(rows, bucket)
+        if bucket not in self._ctx:  # eagerly, before any capture (the graphs keep them)
+            long = dict(dtype=torch.long, device=self.device)
+            width = self.drafter.cfg.n_taps * self.drafter.cfg.target_hidden_size
+            self._ctx[bucket] = (
+                torch.zeros(self.steps, bucket, width, dtype=self.drafter.dtype,
+                            device=self.device),
+                torch.zeros(self.steps, bucket, **long),
+                torch.full((self.steps, bucket), -1, **long))
         # the capture's warm-up step runs on this call's rows (live and the sums it moves
         # are reset below)
         if self.graphs and bucket not in self._graphs:
@@ -538,14 +546,6 @@ class DecodeIteration(Iteration):
         vs, s = self.vstep, state
         live = self._live[:bucket]
         none = torch.zeros(bucket, 0, dtype=torch.long, device=self.device)
-        if bucket not in self._ctx:  # (allocated before a capture: the graph keeps them)
-            long = dict(dtype=torch.long, device=self.device)
-            width = self.drafter.cfg.n_taps * self.drafter.cfg.target_hidden_size
-            self._ctx[bucket] = (
-                torch.zeros(self.steps, bucket, width, dtype=self.drafter.dtype,
-                            device=self.device),
-                torch.zeros(self.steps, bucket, **long), torch.full((self.steps, bucket), -1,
-                                                                    **long))
         with dispatch.without_debug_checks():  # -1 rows on purpose (DFLASH_OPS_DEBUG=1)
             prepare_step_(live, s.last, s.start, none, None, None, 0, vs.scratch,
                           vs.ids[:bucket], vs.requests[:bucket], vs.start[:bucket])
