@@ -448,18 +448,20 @@ class DecodeIteration(Iteration):
     """The policy's iteration without drafting: the target's decode step on each request's last
     token (``vstep``: a VerifyStep of block 1, graphed with ``graphs``; None: a direct call),
     its token committed by ``greedy_commit`` (sampling: drawn from the target's distribution
-    first), the input row's tap hidden states added to the drafter's context (by the step, in
-    its graph, when it has a ``context_drafter``; else at once), after any pending rows: plain
-    decoding that keeps the drafter ready to draft again."""
+    first), the input row's tap hidden states added to the drafter's context (greedy with a
+    ``context_drafter`` step: gathered by each step and added once the iteration's steps are
+    done, the step's own add turned off: this iteration owns ``vstep``; else by the step or at
+    once), after any pending rows: plain decoding that keeps the drafter ready to draft
+    again."""
 
     def __init__(self, target, drafter, *, sampling: Optional[Sampling] = None, vstep=None,
                  graphs: bool = False, stats: Optional[Stats] = None, time_stages: bool = False,
                  steps_per_read: int = DECODE_STEPS):
         super().__init__(target, drafter, 1, sampling=sampling, steps=(None, vstep),
                          graphs=graphs, stats=stats, time_stages=time_stages)
-        # greedy with static steps whose decode step adds the context: one step (graphed: one
+        # greedy with static steps whose decode step has the context drafter: one step (one
         # graph per bucket) holds prepare_step_, the target's step, greedy_commit_ and the
-        # flags, and it masks the requests that finished (``alive``), so ``steps`` of them run
+        # flags, and it masks the requests that finished (``_live``), so ``steps`` of them run
         # back to back before the host reads the summed flags once: the GPU waits for the host
         # once per ``steps`` tokens. Measured on the H200 (2026-12-02, bench policy, Qwen3-8B,
         # B 1 / 8 x 1k): separate launches and a read a token ran 0.53 / 0.67 ms a token slower
