@@ -494,7 +494,6 @@ class DecodeIteration(Iteration):
         st, r = self.stats, rows.shape[0]
         t0 = time.perf_counter()
         flush_pending(self.drafter, state, 1)
-        n = state.n_out.shape[0]
         if state is not self._state:  # the graphs bake in a call's state tensors
             long = dict(dtype=torch.long, device=self.device)
             self._graphs, self._state, self._rows_key = {}, state, None
