@@ -71,12 +71,56 @@ class PagedKVCache:
 
     def slots(self, requests: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """int64 slots of (request, position) pairs; -1 where the position has no block
-        (negative, or past the request's blocks)."""
+        (negative, or past the request's blocks) or the request slot is outside the table."""
         requests = requests.long()
         positions = positions.long()
         col = torch.div(positions, self.block_size, rounding_mode="floor")
-        ok = (positions >= 0) & (col < self.max_blocks)
-        blk = self.block_table[requests, col.clamp(0, self.max_blocks - 1)].long()
-        ok &= blk < self.num_blocks
+        n = self.block_table.shape[0]
+        ok = (positions >= 0) & (col < self.max_blocks) & (requests >= 0) & (requests < n)
+        blk = self.block_table[requests.clamp(0, n - 1),
+                               col.clamp(0, self.max_blocks - 1)].long()
+        ok &= (blk >= 0) & (blk < self.num_blocks)
         return torch.where(ok, blk * self.block_size + positions % self.block_size,
                            torch.full_like(positions, -1))
+
+    def token_meta(self, requests: torch.Tensor, starts: torch.Tensor,
+                   q_lens: Optional[torch.Tensor], total: int, block: int = 1) -> tuple:
+        """A forward's per-token metadata without a host sync: request i (slot requests[i])
+        has q_lens[i] new tokens (None: ``block`` each), grouped by request, the first at
+        position starts[i]; ``total`` = T, their number. Returns (pos [T] int64, slots [T]
+        int64 (as ``slots``), seq_lens [R] int32 = starts + q_lens, qsl [R + 1] int32 = each
+        request's first row and T). On CUDA one Triton launch (``triton.loop.token_meta``,
+        unless a backend other than triton is forced for the loop ops), where the torch
+        version, ``token_meta_ref``, is ~30 small kernels a forward."""
+        from .. import dispatch, triton
+
+        if (requests.is_cuda and triton.AVAILABLE
+                and dispatch.forced_backend("prepare_step_") in (None, "triton")):
+            from ..triton.loop import token_meta
+
+            r, dev = requests.shape[0], requests.device
+            pos = torch.empty(total, dtype=torch.long, device=dev)
+            slots = torch.empty(total, dtype=torch.long, device=dev)
+            seq_lens = torch.empty(r, dtype=torch.int32, device=dev)
+            qsl = torch.empty(r + 1, dtype=torch.int32, device=dev)
+            token_meta(requests.long(), starts.long(),
+                       None if q_lens is None else q_lens.long(), block, self.block_table,
+                       self.block_size, self.num_blocks, pos, slots, seq_lens, qsl)
+            return pos, slots, seq_lens, qsl
+        return token_meta_ref(self, requests, starts, q_lens, total, block)
+
+
+def token_meta_ref(cache: PagedKVCache, requests: torch.Tensor, starts: torch.Tensor,
+                   q_lens: Optional[torch.Tensor], total: int, block: int = 1) -> tuple:
+    """``PagedKVCache.token_meta`` in torch ops (the reference the Triton kernel is tested
+    against)."""
+    requests, starts = requests.long(), starts.long()
+    r, dev = requests.shape[0], requests.device
+    if q_lens is None:
+        q_lens = torch.full((r,), block, dtype=torch.long, device=dev)
+    q_lens = q_lens.long()
+    qsl = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), q_lens.cumsum(0)])
+    tok_req = torch.repeat_interleave(torch.arange(r, device=dev), q_lens, output_size=total)
+    pos = starts[tok_req] + torch.arange(total, device=dev) - qsl[tok_req]
+    return (pos, cache.slots(requests[tok_req], pos), (starts + q_lens).to(torch.int32),
+            qsl.to(torch.int32))

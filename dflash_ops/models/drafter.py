@@ -143,14 +143,16 @@ class DFlashDrafter:
         positions [T]; a row with position < 0 is padding (written nowhere)."""
         cfg = self.cfg
         c = linear(tap_hidden.to(self.dtype), self.fc)
-        slots = self.cache.slots(requests, positions)
+        slots = self.cache.token_meta(requests, positions, None, positions.shape[0])[1]
         OPS.context_kv_(c, self.w_kv, self.b_kv, self.k_weight, positions.long(), self.cos_sin,
                         slots, self.cache.k, self.cache.v, cfg.rms_norm_eps, cfg.rope_is_neox,
                         None, True)
 
     # ------------------------------------------------------------------------------ block
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        x = F.embedding(ids, self.embed) * self.cfg.input_embedding_scale
+        x = F.embedding(ids, self.embed)
+        if self.cfg.input_embedding_scale != 1:  # (a multiply by 1 is a kernel for nothing)
+            x = x * self.cfg.input_embedding_scale
         if self.mask_embedding is not None:
             x = torch.where((ids == self.cfg.mask_token_id)[:, None],
                             self.mask_embedding.to(x.dtype)[None, :], x)
@@ -161,16 +163,13 @@ class DFlashDrafter:
         """Final-norm hidden states [R * B, H] of the blocks block_ids [R, B] of requests [R]
         whose first token sits at position start[R] (the committed length)."""
         r, b = block_ids.shape
-        pos = (start.long()[:, None] + torch.arange(b, device=self.device)[None, :]).reshape(-1)
-        req = requests.long()[:, None].expand(r, b).reshape(-1)
-        table, seq_lens = self.cache.block_table[requests.long()], (start.long() + b).to(
-            torch.int32)
+        pos, slots, seq_lens, qsl = self.cache.token_meta(requests, start, None, r * b, b)
+        table = self.cache.block_table[requests.long()]
         kept = (None, None)
         if self.context_window is not None:
             first, last = self.context_window
             kept = window_table(table, seq_lens, self.cache.block_size, first, last)
-        t = Tokens(self.cfg, self.cos_sin, pos, self.cache.slots(req, pos), table, seq_lens,
-                   torch.arange(0, (r + 1) * b, b, dtype=torch.int32, device=self.device),
+        t = Tokens(self.cfg, self.cos_sin, pos, slots, table, seq_lens, qsl,
                    conv_block=b, kept_table=kept[0], kept_seq_lens=kept[1])
         x = self._embed(block_ids.reshape(-1))
         h = None

@@ -283,27 +283,26 @@ class Target:
         if bad:
             raise ValueError(f"Target.forward: tap_layers {bad} outside [0, {cfg.num_layers})")
 
-        # Per-token request and position; attention metadata (no host sync).
-        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
-        qsl = torch.cat([zero, q_lens.cumsum(0)])
-        tok_req = torch.repeat_interleave(torch.arange(len(q_lens), device=self.device), q_lens,
-                                          output_size=t)
-        pos = starts[tok_req] + torch.arange(t, device=self.device) - qsl[tok_req]
-        meta = Tokens(cfg, self.cos_sin, pos, self.cache.slots(requests[tok_req], pos),
-                      self.cache.block_table[requests], (starts + q_lens).to(torch.int32),
-                      qsl.to(torch.int32), exact=self.exact,
+        # Per-token position and cache slot; attention metadata (no host sync; one launch)
+        pos, slots, seq_lens, qsl = self.cache.token_meta(requests, starts, q_lens, t)
+        meta = Tokens(cfg, self.cos_sin, pos, slots, self.cache.block_table[requests], seq_lens,
+                      qsl, exact=self.exact,
                       split_keys=exact_split_keys(self.cache.max_blocks * self.cache.block_size)
                       if self.exact and t <= EXACT_MAX_TOKENS else 0)
 
         x = F.embedding(ids, self.embed)   # the residual stream
         h = None                           # last layer output not yet added into x
-        tapped = {}
+        # the taps written into their columns as each tap layer ends (no concatenation after)
+        hs = x.shape[-1]
+        tap_out = x.new_empty(t, len(taps) * hs) if tap_layers is not None else None
         for i, layer in enumerate(self.layers):
             h = layer(x, h, self.cache.k[i], self.cache.v[i], meta)
             if i in taps:   # the layer's output: complete the residual add now
                 x.add_(h)
                 h = None
-                tapped[i] = x.clone()
+                for k, j in enumerate(taps):
+                    if j == i:
+                        tap_out[:, k * hs:(k + 1) * hs].copy_(x)
 
         if h is None:
             h = OPS.rms_norm(x, self.norm, cfg.rms_norm_eps)
@@ -314,9 +313,6 @@ class Target:
         logits = linear(h, self.lm_head, None, self.exact)
         if fp32_logits:
             logits = logits.float()
-        tap_out = None
-        if tap_layers is not None:
-            tap_out = torch.cat([tapped[i] for i in taps], dim=-1) if taps else x.new_zeros(t, 0)
         return logits, tap_out
 
     __call__ = forward

@@ -192,7 +192,7 @@ class _Steps:
             big = max(blocks)
             target.add_request(n, big)
             self._held.append(target)
-            # the drafter's too, even for decoding only: the decode step writes its padded
+            # the drafter's too, even for decoding only: the decode iteration writes its padded
             # rows' context at position 0 of this slot
             drafter.cache.add_request(n, big)
             self._held.append(drafter.cache)

@@ -448,18 +448,20 @@ class DecodeIteration(Iteration):
     """The policy's iteration without drafting: the target's decode step on each request's last
     token (``vstep``: a VerifyStep of block 1, graphed with ``graphs``; None: a direct call),
     its token committed by ``greedy_commit`` (sampling: drawn from the target's distribution
-    first), the input row's tap hidden states added to the drafter's context (by the step, in
-    its graph, when it has a ``context_drafter``; else at once), after any pending rows: plain
-    decoding that keeps the drafter ready to draft again."""
+    first), the input row's tap hidden states added to the drafter's context (greedy with a
+    ``context_drafter`` step: gathered by each step and added once the iteration's steps are
+    done, the step's own add turned off: this iteration owns ``vstep``; else by the step or at
+    once), after any pending rows: plain decoding that keeps the drafter ready to draft
+    again."""
 
     def __init__(self, target, drafter, *, sampling: Optional[Sampling] = None, vstep=None,
                  graphs: bool = False, stats: Optional[Stats] = None, time_stages: bool = False,
                  steps_per_read: int = DECODE_STEPS):
         super().__init__(target, drafter, 1, sampling=sampling, steps=(None, vstep),
                          graphs=graphs, stats=stats, time_stages=time_stages)
-        # greedy with static steps whose decode step adds the context: one step (graphed: one
+        # greedy with static steps whose decode step has the context drafter: one step (one
         # graph per bucket) holds prepare_step_, the target's step, greedy_commit_ and the
-        # flags, and it masks the requests that finished (``alive``), so ``steps`` of them run
+        # flags, and it masks the requests that finished (``_live``), so ``steps`` of them run
         # back to back before the host reads the summed flags once: the GPU waits for the host
         # once per ``steps`` tokens. Measured on the H200 (2026-12-02, bench policy, Qwen3-8B,
         # B 1 / 8 x 1k): separate launches and a read a token ran 0.53 / 0.67 ms a token slower
@@ -474,6 +476,14 @@ class DecodeIteration(Iteration):
         if self.fused:  # the active request slots, -1 past them (padding)
             self._rows = torch.full((vstep.max_batch,), -1, dtype=torch.long,
                                     device=self.device)
+            # the steps' context rows wait in per-bucket buffers (``_ctx``: taps, request
+            # slots, positions of each step's rows, the step's index ``_k`` on the device) and
+            # go to the drafter once an iteration, after its steps: one read of the drafter's
+            # fc and K/V weights (~250 MB at Qwen3-8B-DFlash-b16's shapes) for ``steps``
+            # tokens instead of one a token. The drafter drafts only after the iteration.
+            vstep.add_context_in_step = False
+            self._ctx: dict = {}
+            self._k = torch.zeros(1, dtype=torch.long, device=self.device)
 
     def __call__(self, state: State, rows: torch.Tensor,
                  max_steps: Optional[int] = None) -> Tuple[List[bool], List[int]]:
@@ -484,26 +494,42 @@ class DecodeIteration(Iteration):
         st, r = self.stats, rows.shape[0]
         t0 = time.perf_counter()
         flush_pending(self.drafter, state, 1)
-        n = state.n_out.shape[0]
         if state is not self._state:  # the graphs bake in a call's state tensors
             long = dict(dtype=torch.long, device=self.device)
             self._graphs, self._state, self._rows_key = {}, state, None
-            self._alive = torch.ones(n + 1, dtype=torch.bool, device=self.device)  # n: none's
+            # rows still decoding this iteration: self._rows, a request's entry -1 once done
+            self._live = torch.full((self.vstep.max_batch,), -1, **long)
             self._acc = torch.zeros(2, self.vstep.max_batch, **long)  # (done, kept) summed
         vs = self.vstep
         bucket = vs.bucket(r)
         self._load_rows(rows, bucket)
-        # (alive and the sums a capture's warm-up also moves are reset below anyway)
+        if bucket not in self._ctx:  # eagerly, before any capture (the graphs keep them)
+            long = dict(dtype=torch.long, device=self.device)
+            width = self.drafter.cfg.n_taps * self.drafter.cfg.target_hidden_size
+            self._ctx[bucket] = (
+                torch.zeros(self.steps, bucket, width, dtype=self.drafter.dtype,
+                            device=self.device),
+                torch.zeros(self.steps, bucket, **long),
+                torch.full((self.steps, bucket), -1, **long))
+        # the capture's warm-up step runs on this call's rows (live and the sums it moves
+        # are reset below)
+        if self.graphs and bucket not in self._graphs:
+            self._live.copy_(self._rows)
+            self._k.zero_()
         spent = self._capture_committing(self._graphs, bucket, state,
                                          lambda: self._step(state, bucket))
-        self._alive.fill_(True)  # every request in rows is active as the call begins
+        self._live.copy_(self._rows)  # every request in rows is active as the call begins
         self._acc.zero_()
+        self._k.zero_()
         todo = self.steps if max_steps is None else max(1, min(self.steps, int(max_steps)))
         for _ in range(todo):
             if self.graphs:
                 self._graphs[bucket][0].replay()
             else:
                 self._step(state, bucket)
+        taps, req, pos = self._ctx[bucket]  # the iteration's context rows, in one call
+        self.drafter.add_context(taps[:todo].flatten(0, 1), req[:todo].flatten(),
+                                 pos[:todo].flatten())
         got = self._acc[:, :r].tolist()  # the iteration's one host read
         st.host_syncs += 1
         st.seconds["verify"] += time.perf_counter() - t0 - spent
@@ -513,25 +539,31 @@ class DecodeIteration(Iteration):
         return [bool(f) for f in got[0]], got[1]
 
     def _step(self, state: State, bucket: int) -> None:
-        """One decode step of ``bucket`` rows (``self._rows``; past the active ones -1): a row
-        whose request finished in an earlier step of the iteration (``alive`` false) becomes
-        -1 too, which prepare_step_ pads (the scratch slot) and the commit skips; the step's
-        flags are added to ``self._acc``."""
-        vs, s, n = self.vstep, state, state.n_out.shape[0]
-        rows = self._rows[:bucket]
-        slot = torch.where((rows >= 0) & (rows < n), rows, torch.full_like(rows, n))
-        live = torch.where(self._alive[slot], rows, torch.full_like(rows, -1))
+        """One decode step of ``bucket`` rows (``self._live``: ``self._rows``, -1 past the
+        active ones and where a request finished in an earlier step of the iteration), which
+        prepare_step_ pads (the scratch slot) and the commit skips; a row whose request
+        finishes now becomes -1; the step's flags are added to ``self._acc``. Three small
+        kernels besides the step's own (the row bookkeeping by request slot took ~14)."""
+        vs, s = self.vstep, state
+        live = self._live[:bucket]
         none = torch.zeros(bucket, 0, dtype=torch.long, device=self.device)
         with dispatch.without_debug_checks():  # -1 rows on purpose (DFLASH_OPS_DEBUG=1)
             prepare_step_(live, s.last, s.start, none, None, None, 0, vs.scratch,
                           vs.ids[:bucket], vs.requests[:bucket], vs.start[:bucket])
-        _, post, _ = vs._step(bucket)
+        _, post, taps = vs._step(bucket)
+        # this step's context rows (the input token's taps at its request and position;
+        # padded rows: the scratch slot at 0, as the step would have added them) into row k
+        ctx_taps, ctx_req, ctx_pos = self._ctx[bucket]
+        ctx_taps.index_copy_(0, self._k, taps.to(ctx_taps.dtype)[None])
+        ctx_req.index_copy_(0, self._k, vs.requests[None, :bucket])
+        ctx_pos.index_copy_(0, self._k, vs.start[None, :bucket])
+        self._k.add_(1)
         with dispatch.without_debug_checks():
             kept, fin, _ = greedy_commit(vs.ids[:bucket], post, live, s.n_out, s.start,
                                          s.last, s.out_tokens, s.stop, s.max_new)
-        self._alive.index_put_((slot,), self._alive[slot] & ~fin)  # padded rows: slot n
-        self._acc[0, :bucket] |= fin.long()
-        self._acc[1, :bucket] += kept
+        live.masked_fill_(fin, -1)  # padded and skipped rows never finish: they stay -1
+        self._acc[0, :bucket].bitwise_or_(fin)  # in place on the view: no copy back
+        self._acc[1, :bucket].add_(kept)
 
     def _draft(self, state: State, rows: torch.Tensor) -> tuple:
         flush_pending(self.drafter, state, 1)

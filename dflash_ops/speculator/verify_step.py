@@ -43,6 +43,9 @@ class VerifyStep:
             raise ValueError(f"VerifyStep: context_drafter is for block_size 1 (decode), got "
                              f"block_size {block_size}")
         self.context_drafter = context_drafter
+        # False: the caller adds the step's context rows itself (the policy's decode iteration
+        # gathers a whole iteration's rows and adds them in one call: one weight read)
+        self.add_context_in_step = True
         if own_scratch:  # last: a failure above changes nothing
             target.add_request(scratch_request, block_size)
 
@@ -84,7 +87,7 @@ class VerifyStep:
                                            self.requests[:bucket], self.start[:bucket],
                                            self.q_lens[:bucket], self.tap_layers,
                                            fp32_logits=self.want_logits)
-        if self.context_drafter is not None:
+        if self.context_drafter is not None and self.add_context_in_step:
             self.context_drafter.add_context(taps, self.requests[:bucket], self.start[:bucket])
         logits = logits.view(bucket, self.b, -1)
         post = argmax_last(logits)  # = logits.argmax(-1), on row_argmax's kernels

@@ -268,6 +268,71 @@ def prepare_step_(rows, last, start, drafts, ctx_rows, ctx_pos, fill_id: int, sc
         **pdl_kwargs(rows.device))
 
 
+@triton.jit
+def _token_meta_kernel(req_ptr, start_ptr, qlen_ptr, table_ptr, pos_ptr, slot_ptr, seq_ptr,
+                       qsl_ptr, R, T, NR, MB, NB, BS,
+                       BLOCK: tl.constexpr, VAR: tl.constexpr, BR: tl.constexpr,
+                       BT: tl.constexpr, PDL: tl.constexpr):
+    """Program r: request r's first token row (the q_lens before it, or r * BLOCK), its seq_len
+    and qsl entries, and the positions and slots of its tokens, BT at a time. Scalars are
+    stored as lane 0 of a vector (masked), as in _prepare_step_kernel."""
+    if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
+        tl.extra.cuda.gdc_wait()
+    r = tl.program_id(0)
+    k = tl.arange(0, BR)
+    lane0 = k == 0
+    zeros = tl.zeros((BR,), tl.int64)
+    if VAR:
+        ql = tl.load(qlen_ptr + k, mask=k < R, other=0)
+        first = tl.sum(tl.where(k < r, ql, 0), axis=0)
+        n = tl.sum(tl.where(k == r, ql, 0), axis=0)
+    else:
+        first = r.to(tl.int64) * BLOCK
+        n = BLOCK
+    req = tl.load(req_ptr + r)
+    st = tl.load(start_ptr + r)
+    tl.store(seq_ptr + r + k, (zeros + st + n).to(tl.int32), mask=lane0)
+    tl.store(qsl_ptr + r + k, (zeros + first).to(tl.int32), mask=lane0)
+    tl.store(qsl_ptr + R + k, (zeros + first + n).to(tl.int32), mask=lane0 & (zeros + r == R - 1))
+    j0 = tl.arange(0, BT)
+    zt = tl.zeros((BT,), tl.int64)
+    ok_req = (zt + req >= 0) & (zt + req < NR)  # a request slot outside the table: slots -1
+    reqc = tl.where(ok_req, zt + req, 0)
+    for off in range(0, n, BT):
+        j = off + j0
+        row = first + j
+        m = (j < n) & (row >= 0) & (row < T)
+        p = st + j
+        col = p // BS  # (negative p: masked below whatever the rounding)
+        ok = m & ok_req & (p >= 0) & (col < MB)
+        blk = tl.load(table_ptr + reqc * MB + col, mask=ok, other=NB).to(tl.int64)
+        ok = ok & (blk >= 0) & (blk < NB)
+        slot = tl.where(ok, blk * BS + p % BS, -1)
+        tl.store(pos_ptr + row, p, mask=m)
+        tl.store(slot_ptr + row, slot, mask=m)
+
+
+def token_meta(requests, starts, q_lens, block: int, table, block_size: int, num_blocks: int,
+               pos, slots, seq_lens, qsl) -> None:
+    """``models.cache.token_meta_ref``'s outputs written in one launch, one program a request
+    (q_lens None: ``block`` tokens each); pos / slots [T] int64, seq_lens [R] / qsl [R + 1]
+    int32 are the outputs."""
+    r = requests.shape[0]
+    if r == 0:
+        qsl.zero_()
+        return
+    var = q_lens is not None
+    # the kernel reads unit-stride vectors: an expanded or strided index is copied
+    requests, starts = requests.contiguous(), starts.contiguous()
+    q_lens = q_lens.contiguous() if var else None
+    _token_meta_kernel[(r,)](
+        requests, starts, q_lens if var else starts, table, pos, slots, seq_lens, qsl,
+        r, pos.shape[0], table.shape[0], table.shape[1], num_blocks, block_size,
+        BLOCK=0 if var else block, VAR=var, BR=triton.next_power_of_2(r) if var else 1,
+        BT=min(1024, triton.next_power_of_2(max(1, -(-pos.shape[0] // r)))),
+        **pdl_kwargs(requests.device))
+
+
 dispatch.register_backend("greedy_commit_", "triton", greedy_commit_)
 dispatch.register_backend("sample_commit_", "triton", sample_commit_)
 dispatch.register_backend("prepare_step_", "triton", prepare_step_)
