@@ -136,6 +136,7 @@ def _decode_graphed(target, prompts, max_new_tokens):
     a request + argmax, captured once as a CUDA graph and replayed once a token. The seconds
     cover the prefill and the replays, not the capture."""
     from .. import dispatch
+    from .loop import _prefill
 
     dev = target.device
     n = len(prompts)
@@ -163,9 +164,7 @@ def _decode_graphed(target, prompts, max_new_tokens):
         col.fill_(1)
         _sync(dev)
         t0 = time.perf_counter()
-        flat = torch.cat([torch.tensor(p, device=dev) for p in prompts])
-        logits, _ = target.forward(flat, requests, torch.zeros_like(lens), lens, None,
-                                   fp32_logits=False, logit_rows=torch.cumsum(lens, 0) - 1)
+        logits = _prefill(target, prompts, None, fp32_logits=False)  # as the loop's
         ids.copy_(logits.argmax(-1))
         out[:, 0] = ids
         for _ in range(max_new_tokens - 1):

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -39,14 +39,55 @@ from .step import DecodeIteration, Iteration, Sampling, State, Stats, check_pair
 from .verify_step import VerifyStep
 
 
-def _prefill(target, prompts, tap_layers):
+# The most prompt tokens one prefill forward takes: longer prompts and larger batches go through
+# the target in pieces (a request's may span forwards), so a prefill's transient memory (the
+# drafter's tap rows, n_taps x H a token: 40 KB at Qwen3-8B's; the MLP's activations) stays
+# that of PREFILL_TOKENS tokens: 32 x 8k prompts in one forward took 10 GiB of taps alone.
+PREFILL_TOKENS = 16384
+
+
+def _prefill_pieces(lens: Sequence[int], max_tokens: int) -> List[List[Tuple[int, int, int]]]:
+    """The prompts of lengths ``lens`` as forwards of at most ``max_tokens`` tokens: each a list
+    of pieces (request, start, length), in request order, a request split where a forward fills
+    up (its pieces in consecutive forwards, never two in one)."""
+    out, cur, n = [], [], 0
+    for r, ln in enumerate(lens):
+        s = 0
+        while s < ln:
+            q = min(ln - s, max_tokens - n)
+            cur.append((r, s, q))
+            n, s = n + q, s + q
+            if n == max_tokens:
+                out.append(cur)
+                cur, n = [], 0
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _prefill(target, prompts, tap_layers, fp32_logits: bool = True, context=None):
+    """The prompts (request slot r = index r) through the target in forwards of at most
+    PREFILL_TOKENS tokens; returns the logits [N, V] of each prompt's last token. ``context``
+    (the drafter's ``add_context``) takes each forward's taps of ``tap_layers`` with their
+    request slots and positions as the forward ends."""
     dev = target.device
-    ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)
-    reqs = torch.arange(len(prompts), device=dev)
-    q_lens = torch.tensor([len(p) for p in prompts], device=dev)
-    last = torch.cumsum(q_lens, 0) - 1
-    return target.forward(ids, reqs, torch.zeros_like(q_lens), q_lens, tap_layers,
-                          logit_rows=last)
+    last = [None] * len(prompts)
+    for fwd in _prefill_pieces([len(p) for p in prompts], PREFILL_TOKENS):
+        ids = torch.tensor([t for r, s, q in fwd for t in prompts[r][s:s + q]],
+                           dtype=torch.long, device=dev)
+        reqs = torch.tensor([r for r, _, _ in fwd], device=dev)
+        starts = torch.tensor([s for _, s, _ in fwd], device=dev)
+        q_lens = torch.tensor([q for _, _, q in fwd], device=dev)
+        logits, taps = target.forward(ids, reqs, starts, q_lens, tap_layers,
+                                      fp32_logits=fp32_logits,
+                                      logit_rows=torch.cumsum(q_lens, 0) - 1)
+        for i, (r, s, q) in enumerate(fwd):
+            if s + q == len(prompts[r]):  # the prompt's last token: its first new one's logits
+                last[r] = logits[i]
+        if context is not None:
+            context(taps, torch.repeat_interleave(reqs, q_lens),
+                    torch.cat([torch.arange(s, s + q, device=dev) for _, s, q in fwd]))
+    return torch.stack(last)
 
 
 def _check_requests(fn: str, caches, prompts, max_new_tokens: int, vocab: int,
@@ -137,7 +178,7 @@ def _plain_greedy(target, prompts, max_new_tokens, stop_token_ids):
         for r, p in enumerate(prompts):
             target.add_request(r, len(p) + max_new_tokens + 1)
             owned.append(r)
-        first_logits, _ = _prefill(target, prompts, None)
+        first_logits = _prefill(target, prompts, None)
         out = [[t] for t in first_logits.argmax(-1).tolist()]
         done = [o[0] in stop or max_new_tokens <= 1 for o in out]
         lens = [len(p) for p in prompts]
@@ -262,7 +303,9 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
     greedy drafting iteration on static steps runs as one step (with graphs: one graph), its
     time counted as draft time. ``steps``: "direct", "static" or "graphs" (module docstring); "auto" is
     "graphs" on CUDA when both caches have a spare request slot (max_requests > batch) with
-    room for one block, else "direct" (Stats.steps says which ran).
+    room for one block, else "direct" (Stats.steps says which ran). The prefill runs the
+    prompts through the target in forwards of at most ``PREFILL_TOKENS`` (16,384) tokens, a long
+    prompt over several, each forward's taps added to the drafter's context as it ends.
 
     ``policy`` (on by default): each iteration runs the block size, among ``policy_blocks``
     (default: 1, i.e. a plain decode step that keeps the drafter's context current, and
@@ -334,15 +377,12 @@ def _speculative_generate(target, drafter, prompts, max_new_tokens, stop_token_i
                                      f"{n + 1}); or use steps='direct'. Cause: {e}") from e
                 steps = stats.steps = "direct"  # auto: no room for the scratch slot
         t0 = time.perf_counter()
-        logits, taps = _prefill(target, prompts, cfg.target_layer_ids)
+        logits = _prefill(target, prompts, cfg.target_layer_ids, context=drafter.add_context)
         first = logits.argmax(-1) if sampling is None else sampling.draw(sampling.probs(logits))
-        drafter.add_context(taps, torch.cat([torch.full((len(p),), r, device=dev)
-                                             for r, p in enumerate(prompts)]),
-                            torch.cat([torch.arange(len(p), device=dev) for p in prompts]))
         sync_device(dev)
         stats.seconds["prefill"] += time.perf_counter() - t0
         state = State.after_prefill(first, [len(p) for p in prompts], stop, max_new_tokens, bsz,
-                                    cfg.n_taps * cfg.target_hidden_size, taps.dtype)
+                                    cfg.n_taps * cfg.target_hidden_size, target.dtype)
         done = [t in stop or max_new_tokens <= 1 for t in first.tolist()]
         stats.host_syncs += 1
         for r in range(n):
