@@ -31,6 +31,18 @@ def test_pdl_kwargs(monkeypatch):
     assert _pdl.pdl_kwargs(torch.device("cuda", 0)) == {"PDL": False}
 
 
+def test_no_pdl_on_rocm(monkeypatch):
+    """A ROCm build reports gfx9 GPUs as compute capability 9.x: PDL stays off there."""
+    pytest.importorskip("triton")
+    from dflash_ops.triton import _pdl
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 4))
+    monkeypatch.setattr(torch.version, "hip", "6.2.0")
+    assert not _pdl._hopper.__wrapped__(0)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert _pdl._hopper.__wrapped__(0)
+
+
 def _jit_kernels(tree):
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel") and any(

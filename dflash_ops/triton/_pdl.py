@@ -28,7 +28,9 @@ _ON = {"PDL": True, "launch_pdl": True}
 
 @functools.lru_cache(maxsize=None)
 def _hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    # NVIDIA sm_90+ only: a ROCm build reports its gfx9 GPUs as capability 9.x too, and the
+    # griddepcontrol intrinsics are NVIDIA's
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def pdl_kwargs(device: torch.device) -> dict:
