@@ -65,7 +65,9 @@
 #            side's package, context_kv_'s epilogue; attn: attn_probe.py, block_attention at
 #            decode / verify shapes), so a
 #            change's speed is compared within one call (drift between calls is ~4%); OLD_DIR
-#            names another place for the old tree (e.g. one built earlier outside the checkout)
+#            names another place for the old tree (e.g. one built earlier outside the checkout);
+#            COMPARE_TREES="main:. a:.attna b:.trig" compares any trees in turn (each carried
+#            with its .prebuilt, taken where its stamp matches), ROUNDS rounds (default 2)
 # Set DFLASH_OPS_COMMIT (the device copy has no .git) so result files name the commit; compare
 # reads OLD_COMMIT for the old tree's name.
 set -uo pipefail
@@ -335,43 +337,55 @@ if [ "$what" = ncu-cases ]; then  # Nsight Compute of benchmarks/ncu_cases.py's 
   done
 fi
 if [ "$what" = compare ]; then
-  old_dir=${OLD_DIR:-.old}
-  if [ ! -f "$old_dir/setup.py" ]; then echo "compare: no old tree in $old_dir (carry an older checkout as .old)"; exit 2; fi
-  if ! ls "$old_dir"/dflash_ops/_C*.so >/dev/null 2>&1; then
-    (cd "$old_dir" && python3 setup.py build_ext --inplace >"$OUT/install_old.log" 2>&1) \
-      || { tail -40 "$OUT/install_old.log"; exit 1; }
-  fi
-  echo "old build: $(( $(date +%s) - t0 )) s"
-  new_commit=${DFLASH_OPS_COMMIT:-new}
-  root=$PWD  # the ctx suite runs this tree's ctx_probe.py over either side's package
-  for round in 1 2; do
+  # the trees: COMPARE_TREES="name:dir ..." (dirs relative to this tree, "." for it), else
+  # .old (OLD_DIR) as OLD_COMMIT and this tree as DFLASH_OPS_COMMIT
+  trees=${COMPARE_TREES:-"${OLD_COMMIT:-old}:${OLD_DIR:-.old} ${DFLASH_OPS_COMMIT:-new}:."}
+  root=$PWD  # the ctx and attn suites run this tree's probe over each tree's package
+  for tree in $trees; do
+    dir=${tree#*:}
+    [ "$dir" = . ] && continue
+    if [ ! -f "$dir/setup.py" ]; then echo "compare: no tree in $dir (carry a checkout there)"; exit 2; fi
+    if ! ls "$dir"/dflash_ops/_C*.so >/dev/null 2>&1; then  # its .prebuilt where it matches
+      if [ -f "$dir/.prebuilt/stamp" ] && [ "$(cat "$dir/.prebuilt/stamp")" = "sources $(bash "$dir/benchmarks/prebuild_hash.sh")
+torch $(python3 -c 'import torch; print(torch.__version__)')" ]; then
+        python3 -c "import lzma, sys; open(sys.argv[2], 'wb').write(lzma.decompress(open(sys.argv[1], 'rb').read()))" \
+          "$dir/.prebuilt/_C.cpython-312-x86_64-linux-gnu.so.xz" "$dir/dflash_ops/_C.cpython-312-x86_64-linux-gnu.so"
+      else
+        (cd "$dir" && python3 setup.py build_ext --inplace >"$OUT/install_${tree%%:*}.log" 2>&1) \
+          || { tail -40 "$OUT/install_${tree%%:*}.log"; exit 1; }
+      fi
+    fi
+  done
+  echo "trees ready: $(( $(date +%s) - t0 )) s"
+  for round in $(seq 1 "${ROUNDS:-2}"); do
     if [ $round -gt 1 ] && [ $(( $(date +%s) - t0 )) -gt ${ROUND_BUDGET_S:-300} ]; then
       echo "compare: no time for round $round"; break
     fi
-    for side in old new; do
-      if [ $side = old ]; then dir=$old_dir; commit=${OLD_COMMIT:-old}; else dir=$PWD; commit=$new_commit; fi
+    for tree in $trees; do
+      commit=${tree%%:*}; dir=${tree#*:}
+      side=$commit; [ -z "${COMPARE_TREES:-}" ] && { [ "$dir" = . ] && side=new || side=old; }
       for suite in ${COMPARE_SUITES:-drafter e2e}; do
         case $suite in
           drafter) extra="--quick --no-ref" ;;
           attention) extra=${COMPARE_ATTN_ARGS:---no-flex --tables splits --cases 1x1024,1x32768,8x4096,32x4096,1x131072} ;;
           *) extra="--quick" ;;
         esac
-        if [ $suite = ctx ] || [ $suite = attn ]; then  # this tree's probe over either side
+        log="$OUT/cmp_${suite}_${side}_${round}.log"
+        if [ $suite = ctx ] || [ $suite = attn ]; then  # this tree's probe over each side
           probe=ctx_probe.py; [ $suite = attn ] && probe=attn_probe.py
           (cd "$dir" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \
-            timeout 120 python3 "$root/benchmarks/$probe" \
-            > "$OUT/cmp_${suite}_${side}_${round}.log" 2>&1)
+            timeout 120 python3 "$root/benchmarks/$probe" > "$log" 2>&1)
         else
           # shellcheck disable=SC2086
           (cd "$dir" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" DFLASH_OPS_COMMIT=$commit \
             timeout 200 python3 "benchmarks/bench_$suite.py" $extra --no-plot \
-              --out "$OUT/cmp-$side-$round" > "$OUT/cmp_${suite}_${side}_${round}.log" 2>&1)
+              --out "$OUT/cmp-$side-$round" > "$log" 2>&1)
         fi
         echo "== $suite $side ($commit) round $round: $(( $(date +%s) - t0 )) s"
-        if [ $suite = attention ]; then grep -E "^B=" "$OUT/cmp_${suite}_${side}_${round}.log" | head -40
-        elif [ $suite = ctx ] || [ $suite = attn ]; then
-          grep -E "^\||rror" "$OUT/cmp_${suite}_${side}_${round}.log"
-        else grep -A10 "^summary" "$OUT/cmp_${suite}_${side}_${round}.log" | head -12; fi
+        if [ $suite = attention ]; then grep -E "^B=" "$log" | head -40
+        elif [ $suite = ctx ] || [ $suite = attn ]; then grep -E "^\||rror" "$log"
+        elif [ $suite = e2e ]; then grep -E "^\[e2e\] B=|rror" "$log" | cut -c1-120
+        else grep -A10 "^summary" "$log" | head -12; fi
       done
     done
   done
