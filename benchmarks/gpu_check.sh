@@ -91,14 +91,19 @@ if ls dflash_ops/_C*.so >/dev/null 2>&1 && [ "$(cat dflash_ops/.C_sources 2>/dev
 fi
 # A library built on the CPU machine (benchmarks/prebuild.sh, carried as .prebuilt) is taken
 # where its stamp names these sources and this torch; if it then fails to import, the build runs.
+prebuilt_want() {  # the stamp a tree's .prebuilt must carry: its sources' hash and this torch
+  printf 'sources %s\ntorch %s' "$(bash "$1/benchmarks/prebuild_hash.sh")" \
+    "$(python3 -c 'import torch; print(torch.__version__)')"
+}
+unpack_prebuilt() {  # tree: its .prebuilt library into its dflash_ops/
+  python3 -c "import lzma, sys; open(sys.argv[2], 'wb').write(lzma.decompress(open(sys.argv[1], 'rb').read()))" \
+    "$1/.prebuilt/_C.cpython-312-x86_64-linux-gnu.so.xz" "$1/dflash_ops/_C.cpython-312-x86_64-linux-gnu.so"
+}
 if ! python3 -c "import dflash_ops._C" 2>/dev/null && [ -f .prebuilt/stamp ]; then
-  want="sources $(bash benchmarks/prebuild_hash.sh)
-torch $(python3 -c 'import torch; print(torch.__version__)')"
+  want=$(prebuilt_want .)
   if [ "$want" = "$(cat .prebuilt/stamp)" ]; then
-    python3 -c "import lzma, sys; open(sys.argv[2], 'wb').write(lzma.decompress(open(sys.argv[1], 'rb').read()))" \
-      .prebuilt/_C.cpython-312-x86_64-linux-gnu.so.xz dflash_ops/_C.cpython-312-x86_64-linux-gnu.so \
-      && DFLASH_OPS_NO_CUDA=1 python3 -m pip install -e . --no-build-isolation --no-deps \
-        >"$OUT/install.log" 2>&1
+    unpack_prebuilt . && DFLASH_OPS_NO_CUDA=1 python3 -m pip install -e . --no-build-isolation \
+      --no-deps >"$OUT/install.log" 2>&1
     if python3 -c "import dflash_ops._C" 2>>"$OUT/install.log"; then echo "install: prebuilt _C"
     else echo "install: the prebuilt _C did not load (install.log); building"; rm -f dflash_ops/_C.*.so; fi
   else
@@ -348,10 +353,8 @@ if [ "$what" = compare ]; then
     [ "$dir" = . ] && continue
     if [ ! -f "$dir/setup.py" ]; then echo "compare: no tree in $dir (carry a checkout there)"; exit 2; fi
     if ! ls "$dir"/dflash_ops/_C*.so >/dev/null 2>&1; then  # its .prebuilt where it matches
-      if [ -f "$dir/.prebuilt/stamp" ] && [ "$(cat "$dir/.prebuilt/stamp")" = "sources $(bash "$dir/benchmarks/prebuild_hash.sh")
-torch $(python3 -c 'import torch; print(torch.__version__)')" ]; then
-        python3 -c "import lzma, sys; open(sys.argv[2], 'wb').write(lzma.decompress(open(sys.argv[1], 'rb').read()))" \
-          "$dir/.prebuilt/_C.cpython-312-x86_64-linux-gnu.so.xz" "$dir/dflash_ops/_C.cpython-312-x86_64-linux-gnu.so"
+      if [ -f "$dir/.prebuilt/stamp" ] && [ "$(cat "$dir/.prebuilt/stamp")" = "$(prebuilt_want "$dir")" ]; then
+        unpack_prebuilt "$dir"
       else
         (cd "$dir" && python3 setup.py build_ext --inplace >"$OUT/install_${tree%%:*}.log" 2>&1) \
           || { tail -40 "$OUT/install_${tree%%:*}.log"; exit 1; }

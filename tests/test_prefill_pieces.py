@@ -39,6 +39,15 @@ def test_pieces_examples():
     assert loop._prefill_pieces([2, 2], 100) == [[(0, 0, 2), (1, 0, 2)]]
 
 
+@pytest.mark.parametrize("cap", [0, -3])
+def test_no_tokens_a_forward_is_an_error_naming_the_setting(cap, monkeypatch):
+    target, drafter = _pair(4, seed=1)
+    monkeypatch.setattr(loop, "PREFILL_TOKENS", cap)
+    with pytest.raises(ValueError, match=rf"PREFILL_TOKENS: expected >= 1, got {cap}"):
+        plain_greedy(target, _prompts(2, seed=2), 3)
+    assert not target.cache._owned  # the requests given back
+
+
 def _state(target, drafter, prompts, cap, monkeypatch):
     """Logits of the last tokens and both caches' rows of the prompts after ``_prefill`` with
     PREFILL_TOKENS = cap (the requests freed after)."""

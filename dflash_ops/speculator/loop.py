@@ -50,6 +50,8 @@ def _prefill_pieces(lens: Sequence[int], max_tokens: int) -> List[List[Tuple[int
     """The prompts of lengths ``lens`` as forwards of at most ``max_tokens`` tokens: each a list
     of pieces (request, start, length), in request order, a request split where a forward fills
     up (its pieces in consecutive forwards, never two in one)."""
+    if max_tokens < 1:  # (a split of 0 tokens a forward would never end)
+        raise ValueError(f"speculator.loop.PREFILL_TOKENS: expected >= 1, got {max_tokens}")
     out, cur, n = [], [], 0
     for r, ln in enumerate(lens):
         s = 0
