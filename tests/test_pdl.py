@@ -79,6 +79,40 @@ def test_every_triton_kernel_waits_first_and_every_launch_passes_pdl():
     assert kernels >= 20 and launches >= kernels, (kernels, launches)
 
 
+# the Triton kernels of the decode chain that let their dependents launch early; the GEMMs
+# (their tile helper, _kv_proj_tile) once their main loop is over, the others after the wait
+TRIGGERS = {"_rms_norm_kernel", "_rope_kernel", "_rope_store_kernel", "_proj_splitk_kernel",
+            "_kv_proj_tile"}
+
+
+def test_triggers_only_under_pdl_and_after_the_wait():
+    """griddepcontrol.launch_dependents (gdc_launch_dependents) lets the next grid launch
+    before this one ends; it is safe because every dependent waits first (above), and only
+    under ``if PDL:`` (a kernel launched without PDL has no dependents to let go)."""
+    found = set()
+    for path in sorted(TRITON_DIR.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, ast.FunctionDef):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.If) and ast.unparse(node.test) == "PDL":
+                    calls = [ast.unparse(b) for b in node.body]
+                    if any(c.endswith("gdc_launch_dependents()") for c in calls):
+                        found.add(fn.name)
+                        # in the kernel's first `if PDL:` (its wait), after the wait
+                        assert calls[0].endswith("gdc_wait()") or not any(
+                            c.endswith("gdc_wait()") for c in calls), \
+                            f"{path.name}: {fn.name} triggers before its wait"
+            src = ast.unparse(fn)
+            n_all = src.count("gdc_launch_dependents()")
+            n_pdl = sum(ast.unparse(b).count("gdc_launch_dependents()")
+                        for node in ast.walk(fn) if isinstance(node, ast.If)
+                        and ast.unparse(node.test) == "PDL" for b in node.body)
+            assert n_all == n_pdl, f"{path.name}: {fn.name} triggers outside `if PDL:`"
+    assert found == TRIGGERS, found
+
+
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 
 

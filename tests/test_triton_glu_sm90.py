@@ -67,6 +67,11 @@ def test_glu_kernel_compiles_for_sm90(tma):
     first = min(i for i in (folded.find(op) for op in ("ld.global", "st.global", "cp.async",
                                                        "cp.async.bulk")) if i >= 0)
     assert wait < first, "a global access before the PDL wait"
+    # the next grid may launch once the main loop is over (after its last tensor-core op)
+    trig = folded.index("griddepcontrol.launch_dependents")
+    assert wait < trig and max(m.start() for m in re.finditer(
+        r"wgmma\.mma_async|mma\.sync", folded)) < trig
+    assert "launch_dependents" not in glu
 
 
 @pytest.mark.parametrize("tma", [True, False])

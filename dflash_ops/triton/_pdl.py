@@ -5,9 +5,13 @@ is still finishing: its CTAs are scheduled and run their set-up as the prior gri
 instead of after it (inside a CUDA graph too: the capture records the launch attribute as a
 programmatic edge). Every Triton kernel here takes a ``PDL`` constexpr and, when it is set,
 waits (``griddepcontrol.wait``: the prior grid complete and its writes visible) before its
-first load or store, so nothing it reads or writes can race the prior grid; none triggers its
-dependents early (``launch_dependents``), so a dependent grid never holds SM slots while
-this one runs.
+first load or store, so nothing it reads or writes can race the prior grid. The kernels of the
+decode chain also let their dependents launch early (``gdc_launch_dependents``, PTX
+``griddepcontrol.launch_dependents``): the RMSNorm and RoPE kernels right after their wait, the
+GEMMs (``context._proj_splitk_kernel``, ``context._kv_proj_tile``) once their main loop is
+over. The next grid then launches once every program of this one has got there, and its
+programs wait in their ``gdc_wait`` until this grid has completed: it overlaps this grid's
+tail with its launch, never its memory.
 
 ``pdl_kwargs(device)``: the launch keywords, PDL on a CUDA device of compute capability >= 9
 unless ``DFLASH_OPS_PDL=0`` (read at each launch, so set it before a graph is captured), off

@@ -189,7 +189,8 @@ def _kv_proj_tile(tile, x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, ss_ptr, T
                   TMA: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                   EVEN_K: tl.constexpr, GLU: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
-                  ADD_NORM: tl.constexpr, RSTD: tl.constexpr, NSSP: tl.constexpr):
+                  ADD_NORM: tl.constexpr, RSTD: tl.constexpr, NSSP: tl.constexpr,
+                  PDL: tl.constexpr):
     pid_m, pid_n = _tile_ids(tile, NUM_M, NUM_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -219,6 +220,8 @@ def _kv_proj_tile(tile, x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, ss_ptr, T
         y = _gemm_tile(x_ptr, w_ptr, b_ptr, rows, cols, pid_m * BLOCK_M, pid_n * BLOCK_N,
                        T, N, H, x_st_m, x_st_k, w_st_n, w_st_k, b_st, TMA, HAS_BIAS, BLOCK_M,
                        BLOCK_N, BLOCK_K, EVEN_K)
+    if PDL:  # the main loop is over: the next grid may start launching (_pdl.py)
+        tl.extra.cuda.gdc_launch_dependents()
     _store_tile(y, rows, cols, pid_n, T, N, out_ptr, o_st_m, res_ptr, nw_ptr, ss_ptr, NSS,
                 ADD_NORM)
 
@@ -241,12 +244,12 @@ def _kv_proj_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, ss_ptr, T, N,
             _kv_proj_tile(tile, x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, ss_ptr, T, N, H,
                           x_st_m, x_st_k, w_st_n, w_st_k, b_st, o_st_m, NUM_M, NUM_N, NSS, eps,
                           TMA, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, GLU,
-                          LIBDEVICE_EXP, ADD_NORM, RSTD, NSSP)
+                          LIBDEVICE_EXP, ADD_NORM, RSTD, NSSP, PDL)
     else:
         _kv_proj_tile(tl.program_id(0), x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, ss_ptr,
                       T, N, H, x_st_m, x_st_k, w_st_n, w_st_k, b_st, o_st_m, NUM_M, NUM_N, NSS,
                       eps, TMA, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, GLU,
-                      LIBDEVICE_EXP, ADD_NORM, RSTD, NSSP)
+                      LIBDEVICE_EXP, ADD_NORM, RSTD, NSSP, PDL)
 
 
 @triton.jit
@@ -318,6 +321,8 @@ def _proj_splitk_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, res_ptr
             total += _slice_acc(x_ptr, w_ptr, rows, cols, pid_m * BLOCK_M, pid_n * BLOCK_N,
                                 k_lo, tl.minimum(k_lo + KS, H), T, N, x_st_m, x_st_k, w_st_n,
                                 w_st_k, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
+        if PDL:  # the main loop is over: the next grid may start launching (_pdl.py)
+            tl.extra.cuda.gdc_launch_dependents()
         _split_store(total, b_ptr, out_ptr, res_ptr, nw_ptr, ss_ptr, rows, cols, pid_n, T, N,
                      b_st, o_st_m, NSS, HAS_BIAS, ADD_NORM)
     else:
@@ -326,6 +331,8 @@ def _proj_splitk_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, res_ptr
         acc = _slice_acc(x_ptr, w_ptr, rows, cols, pid_m * BLOCK_M, pid_n * BLOCK_N, k_lo,
                          tl.minimum(k_lo + KS, H), T, N, x_st_m, x_st_k, w_st_n, w_st_k, TMA,
                          BLOCK_M, BLOCK_N, BLOCK_K)
+        if PDL:  # the main loop is over: the next grid may start launching (_pdl.py)
+            tl.extra.cuda.gdc_launch_dependents()
         # partials: [SPLIT, NUM_M * BLOCK_M, NUM_N * BLOCK_N] fp32 (64-bit offsets); rows past
         # T neither written nor read (at M 1 a 16-row tile would move 16x the partial bytes)
         pn = NUM_N * BLOCK_N

@@ -47,6 +47,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, out_ptr, w_ptr, n_rows, D, eps,
                      INDEX_64: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # the next grid may start launching (_pdl.py)
     pid = tl.program_id(0)
     if INDEX_64:
         rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)

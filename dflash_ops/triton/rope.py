@@ -152,6 +152,7 @@ def _rope_kernel(x_ptr, xw_ptr, y_ptr, yw_ptr, pos_ptr, cs_ptr, T, P, cs_st0, cs
                  BLOCK_HY: tl.constexpr, OFF_64: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # the next grid may start launching (_pdl.py)
     # x: [T, L, HX, D] (L = 1 for rope_ and q), axis 1 = layer * NXB + head block; with HAS_Y,
     # programs NX_PROGS.. of axis 1 take y: [T, HY, D] (qk_norm_rope_'s k).
     t0 = tl.program_id(0) * BLOCK_T
@@ -190,8 +191,9 @@ def _rope_store_kernel(q_ptr, qw_ptr, k_ptr, kw_ptr, v_ptr, kc_ptr, vc_ptr, pos_
                        BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr, IS_NEOX: tl.constexpr,
                        NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr,
                        BLOCK_HK: tl.constexpr, OFF_64: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
+    if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # the next grid may start launching (_pdl.py)
     # qk_norm_rope_store_: axis 1 = q's head blocks (in place), then k's (into k_cache), then
     # v's (copied into v_cache); tokens whose slot is outside [0, n_slots) store nothing.
     t0 = tl.program_id(0) * BLOCK_T
