@@ -68,14 +68,22 @@ def test_every_triton_kernel_waits_first_and_every_launch_passes_pdl():
             assert (isinstance(first, ast.If) and ast.unparse(first.test) == "PDL"
                     and ast.unparse(first.body[0]).endswith("gdc_wait()")), \
                 f"{path.name}: {fn.name} does not wait for the prior grid first"
-        for node in ast.walk(tree):  # kernel[grid](...) calls
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
-                    and ast.unparse(node.func.value) in names):
-                launches += 1
-                assert any(k.arg is None and ast.unparse(k.value).startswith("pdl_kwargs(")
-                           for k in node.keywords), \
-                    f"{path.name}: a launch of {ast.unparse(node.func.value)} without " \
-                    f"**pdl_kwargs(...)"
+        for outer in ast.walk(tree):  # kernel[grid](...) calls, in the launching function
+            if not isinstance(outer, ast.FunctionDef) or outer.name in names:
+                continue
+            # `kw = pdl_kwargs(...)` in the function: **kw is the launch's pdl_kwargs
+            kw_names = {t.id for a in ast.walk(outer) if isinstance(a, ast.Assign)
+                        and ast.unparse(a.value).startswith("pdl_kwargs(")
+                        for t in a.targets if isinstance(t, ast.Name)}
+            for node in ast.walk(outer):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+                        and ast.unparse(node.func.value) in names):
+                    launches += 1
+                    assert any(k.arg is None and (ast.unparse(k.value).startswith("pdl_kwargs(")
+                                                  or ast.unparse(k.value) in kw_names)
+                               for k in node.keywords), \
+                        f"{path.name}: a launch of {ast.unparse(node.func.value)} without " \
+                        f"**pdl_kwargs(...)"
     assert kernels >= 20 and launches >= kernels, (kernels, launches)
 
 
@@ -111,6 +119,65 @@ def test_triggers_only_under_pdl_and_after_the_wait():
                         and ast.unparse(node.test) == "PDL" for b in node.body)
             assert n_all == n_pdl, f"{path.name}: {fn.name} triggers outside `if PDL:`"
     assert found == TRIGGERS, found
+
+
+def test_early_trigger_only_with_pdl_and_one_wave(monkeypatch):
+    pytest.importorskip("triton")
+    from dflash_ops.triton import _pdl
+
+    monkeypatch.setattr(_pdl, "_sms", lambda index: 4)
+    dev = torch.device("cuda", 0)
+    assert not _pdl.early_trigger({"PDL": False}, dev, 1)
+    assert _pdl.early_trigger({"PDL": True, "launch_pdl": True}, dev, 4)
+    assert not _pdl.early_trigger({"PDL": True, "launch_pdl": True}, dev, 5)
+
+
+def test_every_launch_of_a_triggering_kernel_passes_early_trigger():
+    """The kernels with a TRIGGER constexpr are launched with TRIGGER=early_trigger(launch,
+    ...) and **launch, launch the same launch's pdl_kwargs: a trigger never without PDL, never on a grid
+    of more than a wave."""
+    n = 0
+    for path in sorted(TRITON_DIR.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        names = {fn.name for fn in _jit_kernels(tree)
+                 if "TRIGGER" in [a.arg for a in fn.args.args]}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+                    and ast.unparse(node.func.value) in names):
+                n += 1
+                kws = {k.arg: ast.unparse(k.value) for k in node.keywords}
+                assert kws.get("TRIGGER", "").startswith("early_trigger(launch, "), kws
+                assert kws.get(None) == "launch", kws
+    assert n == 3, n
+
+
+def _compile_norm(trigger: bool):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from dflash_ops.triton import norm
+    fn = norm._rms_norm_kernel
+    consts = dict(FUSED_ADD=True, BLOCK_M=1, BLOCK_D=4096, INDEX_64=False, PDL=True,
+                  TRIGGER=trigger)
+    sig = {}
+    for name in fn.arg_names:
+        sig[name] = ("constexpr" if name in consts else "*bf16" if name.endswith("_ptr")
+                     else "fp32" if name == "eps" else "i32")
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                          target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=8, launch_pdl=True)).asm["ptx"]
+
+
+def test_norm_kernel_triggers_after_its_wait_before_its_loads():
+    """sm_90 PTX (no GPU): with TRIGGER, launch_dependents right after the wait, before the
+    first global load; without it, the wait alone."""
+    pytest.importorskip("triton.backends.nvidia", reason="triton without its CUDA backend")
+    ptx = _compile_norm(True)
+    wait, trig = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
+    assert wait < trig < ptx.index("ld.global")
+    plain = _compile_norm(False)
+    assert "griddepcontrol.wait" in plain and "launch_dependents" not in plain
 
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"

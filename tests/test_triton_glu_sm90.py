@@ -13,7 +13,7 @@ import pytest
 
 
 def _compile(tma: bool, glu: bool = False, rstd: bool = False, add_norm: bool = False,
-             pdl: bool = False):
+             pdl: bool = False, persistent: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -21,7 +21,7 @@ def _compile(tma: bool, glu: bool = False, rstd: bool = False, add_norm: bool = 
     from dflash_ops.triton import context as tc
     fn = tc._kv_proj_kernel
     bn = 32 if glu else 64
-    consts = dict(TMA=tma, PERSISTENT=False, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=bn,
+    consts = dict(TMA=tma, PERSISTENT=persistent, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=bn,
                   BLOCK_K=128, GROUP_M=8, EVEN_K=True, GLU=glu, LIBDEVICE_EXP=True,
                   ADD_NORM=add_norm, RSTD=rstd, NSSP=128 if rstd else 1, PDL=pdl,
                   T=1, NUM_M=1, x_st_k=1, w_st_k=1, b_st=1)
@@ -69,9 +69,12 @@ def test_glu_kernel_compiles_for_sm90(tma):
     assert wait < first, "a global access before the PDL wait"
     # the next grid may launch once the main loop is over (after its last tensor-core op)
     trig = folded.index("griddepcontrol.launch_dependents")
-    assert wait < trig and max(m.start() for m in re.finditer(
-        r"wgmma\.mma_async|mma\.sync", folded)) < trig
+    mmas = [m.start() for m in re.finditer(r"wgmma\.mma_async|mma\.sync", folded)]
+    assert mmas and wait < trig and max(mmas) < trig
     assert "launch_dependents" not in glu
+    # the persistent launch (one program an SM walking the tiles) does not trigger
+    assert "launch_dependents" not in _compile(tma, glu=True, rstd=True, pdl=True,
+                                               persistent=True).asm["ptx"]
 
 
 @pytest.mark.parametrize("tma", [True, False])

@@ -95,14 +95,16 @@ def test_splitk_kernel_as_a_programmatic_dependent():
 
 
 @pytest.mark.parametrize("serial", [False, True])
-def test_splitk_kernel_triggers_its_dependents_after_its_main_loop(serial):
+@pytest.mark.parametrize("tma", [False, True])
+def test_splitk_kernel_triggers_its_dependents_after_its_main_loop(serial, tma):
     """PDL: griddepcontrol.launch_dependents after the wait and after the K loop's last
     tensor-core instruction (the next grid launches while this one stores; it still waits
     for this whole grid to complete); none without PDL."""
     pytest.importorskip("triton.backends.nvidia", reason="triton without its CUDA backend")
-    ptx = _compile(False, True, serial=serial, pdl=True).asm["ptx"]
+    ptx = _compile(tma, True, serial=serial, pdl=True).asm["ptx"]
     trig = ptx.index("griddepcontrol.launch_dependents")
     assert ptx.index("griddepcontrol.wait") < trig
-    last_mma = max(m.start() for m in re.finditer(r"wgmma\.mma_async|mma\.sync", ptx))
-    assert last_mma < trig, "the trigger before the main loop's end"
-    assert "launch_dependents" not in _compile(False, True, serial=serial).asm["ptx"]
+    mmas = [m.start() for m in re.finditer(r"wgmma\.mma_async|mma\.sync", ptx)]
+    assert mmas, "no tensor-core instruction"
+    assert max(mmas) < trig, "the trigger before the main loop's end"
+    assert "launch_dependents" not in _compile(tma, True, serial=serial).asm["ptx"]

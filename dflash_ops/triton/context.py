@@ -244,7 +244,8 @@ def _kv_proj_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, ss_ptr, T, N,
             _kv_proj_tile(tile, x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, ss_ptr, T, N, H,
                           x_st_m, x_st_k, w_st_n, w_st_k, b_st, o_st_m, NUM_M, NUM_N, NSS, eps,
                           TMA, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, GLU,
-                          LIBDEVICE_EXP, ADD_NORM, RSTD, NSSP, PDL)
+                          LIBDEVICE_EXP, ADD_NORM, RSTD, NSSP, False)  # no trigger: the first
+            # tile's would let the next grid launch while most of the tiles remain
     else:
         _kv_proj_tile(tl.program_id(0), x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, ss_ptr,
                       T, N, H, x_st_m, x_st_k, w_st_n, w_st_k, b_st, o_st_m, NUM_M, NUM_N, NSS,

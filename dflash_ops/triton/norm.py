@@ -13,7 +13,7 @@ import triton.language as tl
 
 from .. import dispatch
 from ..ops._checks import merged_leading_dims
-from ._pdl import pdl_kwargs
+from ._pdl import early_trigger, pdl_kwargs
 
 
 def row_layout(t: torch.Tensor, what: str, op: str):
@@ -44,10 +44,12 @@ def _rms_norm_kernel(x_ptr, res_ptr, out_ptr, w_ptr, n_rows, D, eps,
                      oS1, oS2, os0, os1, os2,
                      R, RPG,
                      FUSED_ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                     INDEX_64: tl.constexpr, PDL: tl.constexpr):
+                     INDEX_64: tl.constexpr, PDL: tl.constexpr,
+                     TRIGGER: tl.constexpr):
     if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()  # the next grid may start launching (_pdl.py)
+        if TRIGGER:  # one wave (_pdl.early_trigger): the next grid may start launching
+            tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     if INDEX_64:
         rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
@@ -109,11 +111,14 @@ def _launch(x, residual, out, weight, eps, op, cfg=None):
     else:
         rs, rst = xs, xst
     big, rpg = _groups(x, weight)
-    _rms_norm_kernel[(triton.cdiv(n_rows, block_m),)](
+    launch = pdl_kwargs(x.device)
+    grid = triton.cdiv(n_rows, block_m)
+    _rms_norm_kernel[(grid,)](
         x, residual if residual is not None else x, out, weight, n_rows, d, eps,
         xs[1], xs[2], *xst, rs[1], rs[2], *rst, os_[1], os_[2], *ost, big, rpg,
         FUSED_ADD=residual is not None, BLOCK_M=block_m, BLOCK_D=block_d,
-        INDEX_64=n_rows + block_m >= 2**31, num_warps=num_warps, **pdl_kwargs(x.device))
+        INDEX_64=n_rows + block_m >= 2**31, num_warps=num_warps,
+        TRIGGER=early_trigger(launch, x.device, grid), **launch)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

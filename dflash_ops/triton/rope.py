@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .. import dispatch
-from ._pdl import pdl_kwargs
+from ._pdl import early_trigger, pdl_kwargs
 
 _ELEMS = 1024  # elements a program (see config)
 _INDEX_32_MAX = 2**31  # offsets below this use 32-bit math (tests lower it)
@@ -149,10 +149,12 @@ def _rope_kernel(x_ptr, xw_ptr, y_ptr, yw_ptr, pos_ptr, cs_ptr, T, P, cs_st0, cs
                  D: tl.constexpr, R: tl.constexpr, BLOCK_HALF: tl.constexpr,
                  BLOCK_TAIL: tl.constexpr, IS_NEOX: tl.constexpr, NORM: tl.constexpr,
                  HAS_Y: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HX: tl.constexpr,
-                 BLOCK_HY: tl.constexpr, OFF_64: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK_HY: tl.constexpr, OFF_64: tl.constexpr, PDL: tl.constexpr,
+                 TRIGGER: tl.constexpr):
     if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()  # the next grid may start launching (_pdl.py)
+        if TRIGGER:  # one wave (_pdl.early_trigger): the next grid may start launching
+            tl.extra.cuda.gdc_launch_dependents()
     # x: [T, L, HX, D] (L = 1 for rope_ and q), axis 1 = layer * NXB + head block; with HAS_Y,
     # programs NX_PROGS.. of axis 1 take y: [T, HY, D] (qk_norm_rope_'s k).
     t0 = tl.program_id(0) * BLOCK_T
@@ -190,10 +192,12 @@ def _rope_store_kernel(q_ptr, qw_ptr, k_ptr, kw_ptr, v_ptr, kc_ptr, vc_ptr, pos_
                        D: tl.constexpr, R: tl.constexpr, BLOCK_HALF: tl.constexpr,
                        BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr, IS_NEOX: tl.constexpr,
                        NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                       BLOCK_HK: tl.constexpr, OFF_64: tl.constexpr, PDL: tl.constexpr):
+                       BLOCK_HK: tl.constexpr, OFF_64: tl.constexpr, PDL: tl.constexpr,
+                       TRIGGER: tl.constexpr):
     if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()  # the next grid may start launching (_pdl.py)
+        if TRIGGER:  # one wave (_pdl.early_trigger): the next grid may start launching
+            tl.extra.cuda.gdc_launch_dependents()
     # qk_norm_rope_store_: axis 1 = q's head blocks (in place), then k's (into k_cache), then
     # v's (copied into v_cache); tokens whose slot is outside [0, n_slots) store nothing.
     t0 = tl.program_id(0) * BLOCK_T
@@ -267,6 +271,7 @@ def _launch(x, xw, y, yw, positions, cos_sin_cache, eps, is_neox, norm):
     else:
         xw_st_l, xw_st = 0, xw.stride(0)
     yy, yw_ = (y, yw) if y is not None else (x, xw)
+    launch = pdl_kwargs(x.device)
     _rope_kernel[(triton.cdiv(t, block_t), groups)](
         x, xw, yy, yw_, positions, cos_sin_cache, t, cos_sin_cache.shape[0],
         cos_sin_cache.stride(0), cos_sin_cache.stride(1), positions.stride(0), eps,
@@ -276,7 +281,7 @@ def _launch(x, xw, y, yw, positions, cos_sin_cache, eps, is_neox, norm):
         D=d, R=r, BLOCK_HALF=block_half, BLOCK_TAIL=block_tail,
         IS_NEOX=bool(is_neox), NORM=norm, HAS_Y=y is not None, BLOCK_T=block_t,
         BLOCK_HX=block_hx, BLOCK_HY=block_hy, OFF_64=span >= _INDEX_32_MAX, num_warps=num_warps,
-        **pdl_kwargs(x.device))
+        TRIGGER=early_trigger(launch, x.device, triton.cdiv(t, block_t) * groups), **launch)
 
 
 def qk_norm_rope_store_(q, k, v, q_weight, k_weight, positions, cos_sin_cache, eps, is_neox,
@@ -295,6 +300,7 @@ def qk_norm_rope_store_(q, k, v, q_weight, k_weight, positions, cos_sin_cache, e
                _span(v, (block_t, block_hk, d)))
     qw, kw = (q_weight, k_weight) if norm else (q, q)  # no weights: never read
     bs = k_cache.shape[1]
+    launch = pdl_kwargs(q.device)
     _rope_store_kernel[(triton.cdiv(t, block_t), nqb + 2 * nkb)](
         q, qw, k, kw, v, k_cache, v_cache, positions, cos_sin_cache, slot_mapping, t,
         cos_sin_cache.shape[0], cos_sin_cache.stride(0), cos_sin_cache.stride(1),
@@ -306,7 +312,8 @@ def qk_norm_rope_store_(q, k, v, q_weight, k_weight, positions, cos_sin_cache, e
         D=d, R=r, BLOCK_HALF=block_half, BLOCK_TAIL=block_tail,
         BLOCK_D=triton.next_power_of_2(d), IS_NEOX=bool(is_neox), NORM=norm, BLOCK_T=block_t,
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, OFF_64=span >= _INDEX_32_MAX,
-        num_warps=num_warps, **pdl_kwargs(q.device))
+        num_warps=num_warps,
+        TRIGGER=early_trigger(launch, q.device, triton.cdiv(t, block_t) * (nqb + 2 * nkb)), **launch)
 
 
 def rope_(x, positions, cos_sin_cache, is_neox) -> None:
