@@ -393,6 +393,7 @@ __global__ void __launch_bounds__(kWgBound, kWgCtasPerSm)
         if (lane == 0) mbar_arrive(empty_u + 8 * st);  // this warp's reads of the stage are over
       }
     }
+    pdl_trigger();  // the last row tile's keys are done: the next grid may start launching
     write_rows<E, D>(p, rq, kvh, wrow, i1, g, tig, nkt > 0, o, m0, m1, l0, l1);
   }
 #else

@@ -171,6 +171,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
     }
 
+    pdl_trigger();  // the last row tile's keys are done: the next grid may start launching
     write_rows<E, D>(p, rq, kvh, wrow, i1, g, tig, nkt > 0, o, m0, m1, l0, l1);
   }
 }
@@ -351,6 +352,7 @@ __global__ void __launch_bounds__(32 * kCombineRows)
   using Bits = typename E::Bits;
   constexpr int NV = (D + 127) / 128;
   const int lane = threadIdx.x & 31;
+  pdl_trigger();  // a small one-wave grid: the next grid's launch overlaps the merge
   const int row = blockIdx.x * kCombineRows + static_cast<int>(threadIdx.x >> 5);
   if (row >= p.rows) return;  // warp-uniform
   const float ls = lane < p.splits ? p.lse[static_cast<int64_t>(lane) * p.rows + row] : -INFINITY;

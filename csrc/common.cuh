@@ -122,6 +122,16 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// Lets the grid after this one (a programmatic dependent) begin launching once every CTA of
+// this grid has called it or exited: its CTAs run their prologue and wait in pdl_wait(), which
+// still waits for this whole grid to complete and its writes to be visible. Repeated calls do
+// nothing; a no-op without PDL and before sm_90.
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // One layer's paged K or V cache (kv.cu, context.cu): base pointer and byte strides of
 // [num_blocks, block_size, Hkv].
 struct CacheView {
