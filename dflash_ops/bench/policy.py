@@ -421,7 +421,12 @@ def plot(res: Results, path) -> Optional[str]:
     return res._save_figure(fig, path)
 
 
-HEADROOM = 16 << 30  # bytes beside the caches: graphs' activations, logits, the prefill
+# Bytes a case needs beside its caches (the steps' graphs and logits, the prefill's forwards of
+# loop.PREFILL_TOKENS tokens: ~2.5 GB at Qwen3-8B's width) before it is tried at all; a case that
+# passes this and still runs out of memory is caught and reported. Each case that runs prints
+# and notes its peak (session 34, H100: the 16 GiB this was could not be justified, and it
+# skipped 8 x 32k with 65 GB free for 50 GB of caches).
+HEADROOM = 4 << 30
 ENV_CASES = "DFLASH_OPS_BENCH_POLICY_CASES"  # e.g. "32x1k,8x32k": replaces the cases
 ENV_PS = "DFLASH_OPS_BENCH_POLICY_PS"  # e.g. "0,0.2": a part of P_GRID (a case's part a call)
 
@@ -481,8 +486,15 @@ def run(quick: bool = False, cases=None, real_prefill: bool = False) -> Results:
                              f"{free / 1e9:.0f} GB free")
             continue
         try:
+            base = torch.cuda.memory_allocated()  # the weights (and what else stays)
+            torch.cuda.reset_peak_memory_stats()
             install_caches(target, drafter, b + 1, blocks, max_len, fill=False)
             run_case(res, target, drafter, b, s, ps=ps, real_prefill=real_prefill)
+            rest = torch.cuda.max_memory_allocated() - base - need
+            _say(f"B={b} S={s}: peak memory {(base + need + rest) / 1e9:.1f} GB = weights "
+                 f"{base / 1e9:.1f} + caches {need / 1e9:.1f} + steps and prefill {rest / 1e9:.1f}")
+            res.notes.append(f"B={b} S={s}: peak memory beside weights and caches "
+                             f"{rest / 1e9:.1f} GB (steps' graphs, logits, prefill)")
         except torch.cuda.OutOfMemoryError as e:
             _say(f"B={b} S={s}: out of memory, skipped ({str(e).splitlines()[0][:120]})")
         finally:
