@@ -429,7 +429,12 @@ def test_bench_policy_times_the_three_loops_interleaved(monkeypatch):
         return out, speed[name] + k, st, 0.01
 
     monkeypatch.setattr(bp, "_loop_rate", fake_loop)
-    monkeypatch.setattr(demo, "_decode_graphed", lambda t, p, n: ([[1, 2, 3] for _ in p], 0.5))
+    def fake_plain(t, p, n, timings=None):  # 0.5 s a run, of which its own prefill 0.1
+        if timings is not None:
+            timings["prefill"] = 0.1
+        return [[1, 2, 3] for _ in p], 0.5
+
+    monkeypatch.setattr(demo, "_decode_graphed", fake_plain)
     target = SimpleNamespace(cfg=SimpleNamespace(vocab_size=50), forward=None)
     drafter = SimpleNamespace(cfg=SimpleNamespace(mask_token_id=49, vocab_size=50),
                               cache=SimpleNamespace(block_table=torch.zeros(3, 4)),
@@ -447,6 +452,8 @@ def test_bench_policy_times_the_three_loops_interleaved(monkeypatch):
     rows = res.tables()[bp.TABLE]
     pol = [r for r in rows if r["strategy"] == "policy" and r["p"] == 0.5][0]
     assert pol["note"].count("block 16") == 3 and "runs:" in pol["note"]
+    plain = [r["tokens_per_s"] for r in rows if r["strategy"] == "plain decode"]
+    assert plain == [pytest.approx(2 * 3 / 0.4)] * 2  # less its own prefill, not the loop's 0.01
     summary = res.tables()[bp.SUMMARY]
     assert len(summary) == 2 and all(not r["ok (>= 0.97)"] for r in summary)  # 190 vs 200
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Optional
 
 import torch
 
@@ -130,11 +131,12 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _decode_graphed(target, prompts, max_new_tokens):
+def _decode_graphed(target, prompts, max_new_tokens, timings: Optional[dict] = None):
     """(new tokens per prompt, seconds): plain greedy decoding (every request runs to
     ``max_new_tokens``, no stop tokens) with the target's decode step, the forward of one token
     a request + argmax, captured once as a CUDA graph and replayed once a token. The seconds
-    cover the prefill and the replays, not the capture."""
+    cover the prefill and the replays, not the capture; ``timings`` (a dict) gets the
+    prefill's own seconds as ``"prefill"`` (synchronised after it)."""
     from .. import dispatch
     from .loop import _prefill
 
@@ -167,6 +169,9 @@ def _decode_graphed(target, prompts, max_new_tokens):
         logits = _prefill(target, prompts, None, fp32_logits=False)  # as the loop's
         ids.copy_(logits.argmax(-1))
         out[:, 0] = ids
+        if timings is not None:
+            _sync(dev)
+            timings["prefill"] = time.perf_counter() - t0
         for _ in range(max_new_tokens - 1):
             graph.replay()
         tokens = out.tolist()
