@@ -64,6 +64,7 @@ def drafter_case(batch: int, context: int, rows: int, graph: bool) -> None:
 def target_case(kind: str, batch: int, context: int, rows: int, graph: bool, models,
                 exact: bool = False) -> None:
     from dflash_ops.bench import e2e
+    from dflash_ops.ops.select import argmax_last
     from dflash_ops.speculator import exact_mode
 
     target, drafter = models
@@ -78,7 +79,11 @@ def target_case(kind: str, batch: int, context: int, rows: int, graph: bool, mod
     st = torch.full((batch,), context, dtype=torch.long, device=dev)
     n = torch.full((batch,), b, dtype=torch.long, device=dev)
     ids = torch.randint(0, 1000, (batch * b,), device=dev)
-    fn = lambda: target.forward(ids, ra, st, n, None)  # noqa: E731
+    taps = drafter.cfg.target_layer_ids
+
+    def fn():  # as the loop's greedy step: the drafter's taps, model-dtype logits, argmax
+        logits, _ = target.forward(ids, ra, st, n, taps, fp32_logits=False)
+        return argmax_last(logits)
     mode = " exact" if exact else ""
     with exact_mode(target, exact):
         run_prof(fn, rows,

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# (for the next session, plan items 2 and 3) the step profiles on main, graph replay, then the
+# racecheck over the attention tests with the PDL triggers while time is left
+set -u
+O=$OUT; t0=$(date +%s); nvidia-smi --query-gpu=name --format=csv,noheader; export OP_CHECK=0
+OUT=$O/p BENCH_ARGS="--graph --cases decode:1x1024,verify:1x1024,drafter:1x1024,verify:32x8192" \
+  bash benchmarks/gpu_check.sh profile > $O/profile_call.log 2>&1; tail -5 $O/profile_call.log
+echo "profile: $(( $(date +%s) - t0 )) s"
+left=$(( ${BUDGET:-570} - ($(date +%s) - t0) ))
+if [ $left -gt 100 ]; then
+  OUT=$O/s SAN_FILES=tests/test_block_attention_gpu.py SAN_TOOLS=racecheck SAN_TIMEOUT=$left \
+    bash benchmarks/gpu_check.sh sanitize
+fi
+cd $O && tar czf /tmp/np.tgz . && find . -mindepth 1 -delete && mv /tmp/np.tgz next-profile.tgz
+echo "total: $(( $(date +%s) - t0 )) s"
