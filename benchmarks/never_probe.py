@@ -64,24 +64,18 @@ def kernels(prof, rows: int = 14) -> list:
 def case(target, drafter, batch: int, context: int, steps: list, n_new: int,
          profile: bool) -> None:
     from dflash_ops.bench import e2e
-    from dflash_ops.bench.policy import _loop_rate, fast_prefill
-    from dflash_ops.speculator.demo import _decode_graphed
+    from dflash_ops.bench.policy import _loop_rate, case_cache, fast_prefill, plain_rates
+    from dflash_ops.speculator.step import DECODE_STEPS
 
-    max_len = e2e.round_up(context + n_new + 2 * 16 + 2, e2e.KV_BLOCK)
-    e2e.install_caches(target, drafter, batch + 1, (batch + 1) * max_len // e2e.KV_BLOCK,
-                       max_len, fill=False)
+    max_len, blocks = case_cache(batch, context, n_new)
+    e2e.install_caches(target, drafter, batch + 1, blocks, max_len, fill=False)
     g = torch.Generator().manual_seed(0)
     vocab = min(target.cfg.vocab_size, drafter.cfg.mask_token_id)
     prompts = [torch.randint(0, vocab, (context,), generator=g).tolist() for _ in range(batch)]
     label = f"B={batch} S={context}"
     try:
         with fast_prefill(target):
-            _decode_graphed(target, prompts, n_new)  # warm-up
-            plain = []
-            for _ in range(REPEATS):
-                tm = {}
-                out, s = _decode_graphed(target, prompts, n_new, timings=tm)
-                plain.append(batch * n_new / (s - tm["prefill"]))
+            out, plain = plain_rates(target, prompts, n_new, REPEATS)
             plain_rate = statistics.median(plain)
             print(f"{label}: plain decode {plain_rate:.1f} tok/s "
                   f"({' / '.join(f'{r:.1f}' for r in plain)})", flush=True)
@@ -116,7 +110,7 @@ def case(target, drafter, batch: int, context: int, steps: list, n_new: int,
                 for us, n, name in kernels(prof):
                     print(f"  {us / it:9.1f} us/iteration {n / it:6.1f} calls/iteration  {name}")
     finally:
-        steps_per_read(4)
+        steps_per_read(DECODE_STEPS)  # the loop's own again
         e2e.release_caches(target, drafter)
 
 

@@ -235,6 +235,29 @@ def _loop_rate(target, drafter, prompts, n_new, **kw) -> tuple:
     return out, new / wall, st, st.seconds["prefill"]
 
 
+def plain_rates(target, prompts, n_new: int, repeats: int = REPEATS) -> tuple:
+    """(tokens, [tokens a second] of ``repeats`` runs): plain graphed decoding
+    (``speculator.demo._decode_graphed``) after a warm-up run, each run's own prefill left out
+    (not the loop's, which also adds the drafter's context for every prompt row: ~0.1 s at
+    32 x 8k)."""
+    from ..speculator.demo import _decode_graphed
+    _decode_graphed(target, prompts, n_new)  # warm-up
+    out, rates = None, []
+    for _ in range(repeats):
+        tm = {}
+        out, s = _decode_graphed(target, prompts, n_new, timings=tm)
+        rates.append(len(prompts) * n_new / max(1e-9, s - tm["prefill"]))
+    return out, rates
+
+
+def case_cache(batch: int, context: int, n_new: int = NEW_TOKENS) -> tuple:
+    """(max_len, num_blocks) of a case's caches: room for the prompt, the new tokens and two
+    blocks of 16 a request, for ``batch`` requests and the steps' scratch slot."""
+    from .e2e import KV_BLOCK, round_up
+    max_len = round_up(context + n_new + 2 * 16 + 2, KV_BLOCK)
+    return max_len, (batch + 1) * max_len // KV_BLOCK
+
+
 def run_case(res: Results, target, drafter, batch: int, context: int, ps=P_GRID,
              n_new: int = NEW_TOKENS, seed: int = 0, repeats: int = REPEATS,
              real_prefill: bool = False) -> None:
@@ -245,7 +268,6 @@ def run_case(res: Results, target, drafter, batch: int, context: int, ps=P_GRID,
 
 
 def _run_case(res, target, drafter, batch, context, ps, n_new, seed, repeats):
-    from ..speculator.demo import _decode_graphed
     label = f"B={batch} S={context}"
     g = torch.Generator().manual_seed(seed)
     vocab = min(target.cfg.vocab_size, drafter.cfg.mask_token_id)
@@ -256,14 +278,8 @@ def _run_case(res, target, drafter, batch, context, ps, n_new, seed, repeats):
     runs = [_loop_rate(target, oracle, prompts, n_new, policy_blocks=(1,))
             for _ in range(repeats)]
     want = runs[0][0]
-    _decode_graphed(target, prompts, n_new)  # warm-up
-    plains = []
-    for _ in range(repeats):  # each run less its own prefill (the loop's adds the drafter's
-        tm = {}               # context over every prompt row: ~0.1 s at 32 x 8k)
-        toks, s = _decode_graphed(target, prompts, n_new, timings=tm)
-        plains.append((toks, s - tm["prefill"]))
-    plain_out = plains[0][0]
-    plain = statistics.median(batch * n_new / max(1e-9, s) for _, s in plains)
+    plain_out, plains = plain_rates(target, prompts, n_new, repeats)
+    plain = statistics.median(plains)
     if plain_out != want:
         _say(f"{label}: plain decode and the loop's tokens differ")
     from ..speculator.loop import policy_memory
@@ -455,7 +471,7 @@ def add_options(p) -> None:
 
 def run(quick: bool = False, cases=None, real_prefill: bool = False) -> Results:
     from .e2e import (KV_BLOCK, build_models, install_caches, parse_cases,
-                      qwen3_8b_dflash_config, qwen3_8b_target_config, release_caches, round_up)
+                      qwen3_8b_dflash_config, qwen3_8b_target_config, release_caches)
     env = os.environ.get(ENV_CASES, "").strip()
     if env and cases is None:
         cases = parse_cases(env, ENV_CASES)  # a bad value fails before the GPU check
@@ -477,8 +493,7 @@ def run(quick: bool = False, cases=None, real_prefill: bool = False) -> Results:
         qwen3_8b_target_config(), dcfg,
         edit_target=lambda st: counter_target(st, successor_of=dcfg.mask_token_id))
     for b, s in grid:
-        max_len = round_up(s + NEW_TOKENS + 2 * 16 + 2, KV_BLOCK)
-        blocks = (b + 1) * max_len // KV_BLOCK
+        max_len, blocks = case_cache(b, s)
         need = sum(2 * c.num_layers * blocks * KV_BLOCK * c.num_kv_heads * c.head_dim * 2
                    for c in (target.cfg, drafter.cfg))
         release_caches(target, drafter)
