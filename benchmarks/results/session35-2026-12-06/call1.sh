@@ -9,8 +9,9 @@ case "$gpu" in
   *H200*)
     OUT=$O/m bash benchmarks/gpu_check.sh models > $O/models_call.log 2>&1; tail -40 $O/models_call.log
     echo "models: $(( $(date +%s) - t0 )) s"
+    left=$(( ${BUDGET:-570} - ($(date +%s) - t0) )); [ $left -gt 280 ] && \
     OUT=$O/a BENCH_ARGS="--cases 1x1024,1x32768,1x131072,8x4096,32x4096,64x1024,128x8192 --tables paged --no-flex" \
-      bash benchmarks/gpu_check.sh attn > $O/attn_call.log 2>&1; grep -E "^\|" $O/attn_call.log | tail -20
+      timeout $left bash benchmarks/gpu_check.sh attn > $O/attn_call.log 2>&1; grep -E "^\|" $O/attn_call.log | tail -20
     echo "attn: $(( $(date +%s) - t0 )) s"
     cd $O && tar czf /tmp/c1.tgz . && find . -mindepth 1 -delete && mv /tmp/c1.tgz call1-h200.tgz ;;
   *)
