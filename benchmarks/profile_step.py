@@ -1,14 +1,16 @@
 """Where a drafter / verify / decode step spends its GPU time: torch.profiler kernel tables.
 
     python benchmarks/profile_step.py [--rows 18] [--graph] [--exact]
-        [--cases drafter:1x1024,drafter:8x1024,verify:8x1024,decode:1x1024]
+        [--cases drafter:1x1024,drafter:8x1024,verify:8x1024,decode:1x1024,dflash2:1x1024]
 
 Each case builds the Qwen3-8B-shaped models of the drafter / e2e suites (random bf16 weights),
 runs the step eagerly (default backends) twice to warm up, then profiles 3 steps and prints the
 kernels by self CUDA time (per step) and the step's total. ``--graph`` also profiles the CUDA
 graph replay (kernels inside graphs show up where CUPTI reports them). ``--exact``: each
 verify / decode case profiled again in exact mode (speculator.exact_mode), for where exact mode's
-cost goes. Needs CUDA.
+cost goes. ``dflash2:BxS``: the DFlash 2 draft step at Qwen3.8-27B-DFlash2 shapes and its DFlash
+twin (bench dflash2-step's two variants: no convolutions, no selector), one after the other, so
+the kernels the conv and selector add sit beside the twin's. Needs CUDA.
 """
 import argparse
 import sys
@@ -61,6 +63,31 @@ def drafter_case(batch: int, context: int, rows: int, graph: bool) -> None:
         run_prof(lambda: step.run(bucket), rows, f"drafter graph B={batch} S={context}")
 
 
+def dflash2_case(batch: int, context: int, rows: int, graph: bool) -> None:
+    from dflash_ops.bench import drafter as bd
+    from dflash_ops.bench import dflash2_step as d2
+    from dflash_ops.models.config import DFlashConfig
+
+    dev = torch.device("cuda")
+    cfg2 = DFlashConfig.from_dict(d2.QWEN38_27B_DFLASH2, source="Qwen3.8-27B-DFlash2")
+    state2, embed, head = bd.random_weights(cfg2, dev)
+    twin = DFlashConfig.from_dict(d2.dflash_twin(d2.QWEN38_27B_DFLASH2), source="twin")
+    state1 = {k: v for k, v in state2.items()
+              if "conv" not in k and not k.startswith("candidate_selector")}
+    def one(name, cfg, state):
+        d = bd.build_drafter(cfg, state, embed, head, batch, context, dev)
+        inp = bd.step_inputs(cfg, batch, context, dev, new=cfg.block_size)
+        run_prof(lambda: bd.eager_step(d, inp), rows, f"{name} eager B={batch} S={context}")
+        if graph:
+            step, bucket = bd.graph_step(d, inp, batch)
+            run_prof(lambda: step.run(bucket), rows, f"{name} graph B={batch} S={context}")
+            step.close()
+
+    for name, cfg, state in (("dflash2", cfg2, state2), ("dflash twin", twin, state1)):
+        one(name, cfg, state)
+        bd._free("cuda")
+
+
 def target_case(kind: str, batch: int, context: int, rows: int, graph: bool, models,
                 exact: bool = False) -> None:
     from dflash_ops.bench import e2e
@@ -111,6 +138,8 @@ def main() -> None:
         batch, context = (int(x) for x in shape.lower().split("x"))
         if kind == "drafter":
             drafter_case(batch, context, a.rows, a.graph)
+        elif kind == "dflash2":
+            dflash2_case(batch, context, a.rows, a.graph)
         elif kind in ("verify", "decode"):
             if models is None:
                 from dflash_ops.bench import e2e
@@ -119,7 +148,7 @@ def main() -> None:
             for exact in (False, True) if a.exact else (False,):
                 target_case(kind, batch, context, a.rows, a.graph, models, exact)
         else:
-            sys.exit(f"--cases: kind must be drafter, verify or decode, got {kind!r}")
+            sys.exit(f"--cases: kind must be drafter, dflash2, verify or decode, got {kind!r}")
         torch.cuda.empty_cache()
 
 

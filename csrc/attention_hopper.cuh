@@ -344,8 +344,14 @@ __global__ void __launch_bounds__(kWgBound, kWgCtasPerSm)
         const int st = it % S;
         mbar_wait(full_u + 8 * st, (it / S) & 1);
         const uint32_t k_u = kv_u + st * T::STAGE_BYTES, v_u = k_u + T::KV_BYTES;
-        const uint64_t okm = *reinterpret_cast<volatile uint64_t*>(mask_s + st);
-        if (__shfl_sync(0xffffffffu, okm != ~uint64_t{0}, 0)) {  // zero masked keys' V rows
+        // The stage's key mask, read by lane 0 alone and broadcast: lane 0 is the thread whose
+        // empty-barrier arrive releases the stage back to the loader (which rewrites the mask),
+        // so every read of it is ordered before that arrive in its own thread (racecheck
+        // reported WAR hazards here when all 32 lanes read it, ordered only by __syncwarp).
+        uint64_t okm = 0;
+        if (lane == 0) okm = *reinterpret_cast<volatile uint64_t*>(mask_s + st);
+        okm = __shfl_sync(0xffffffffu, okm, 0);
+        if (okm != ~uint64_t{0}) {  // zero masked keys' V rows (okm is warp-uniform)
           char* const v_s = smem + T::Q_BYTES + st * T::STAGE_BYTES + T::KV_BYTES;
           for (int idx = threadIdx.x; idx < 64 * 8 * T::HALVES; idx += 128) {
             const int r = idx & 63, c = idx >> 6;  // row, 16-byte chunk (all spans)
