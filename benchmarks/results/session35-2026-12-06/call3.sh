@@ -6,9 +6,9 @@ set -u
 O=$OUT; t0=$(date +%s); nvidia-smi --query-gpu=name --format=csv,noheader; export OP_CHECK=0
 OUT=$O/b bash benchmarks/gpu_check.sh build > $O/build.log 2>&1; tail -2 $O/build.log
 echo "build: $(( $(date +%s) - t0 )) s"
-timeout ${PT:-240} python3 benchmarks/l2_prefetch_probe.py ${PROBE_ARGS:-} > $O/l2_prefetch_probe.log 2>&1
+timeout ${PT:-220} python3 benchmarks/l2_prefetch_probe.py ${PROBE_ARGS:-} > $O/l2_prefetch_probe.log 2>&1
 grep -vE "Warn|warn" $O/l2_prefetch_probe.log | tail -25; echo "probe: $(( $(date +%s) - t0 )) s"
-left=$(( ${BUDGET:-560} - ($(date +%s) - t0) ))
+left=$(( ${BUDGET:-330} - ($(date +%s) - t0) ))
 if [ $left -gt 120 ]; then
   OUT=$O/t DFLASH_OPS_COMMIT=${DFLASH_OPS_COMMIT:-main} SHARDS=${SHARDS:-6} TEST_TIMEOUT=$(( left - 40 )) \
     bash benchmarks/gpu_check.sh tests > $O/tests_call.log 2>&1; grep -E "^shard|^FAILED|^ERROR|^tests:" $O/tests_call.log | head -40
