@@ -133,6 +133,32 @@ def test_qwen3_8b_floors():
     assert big["verify"] == pytest.approx(flops / 700e12 * 1e6)   # FLOP-bound at B 64
 
 
+def test_serial_floor_adds_the_kv_stream_to_the_gemms():
+    """The serial floor: max(K/V bytes, attention FLOPs) + max(other bytes, other FLOPs), each
+    over its rate. A hand case, then Qwen3-8B: equal to the floor for the decode at B 1 x 1k
+    (bytes dominate both parts), ~1.35x it for the verify at B 32 x 8k."""
+    floors = {"copy_GBps": 1000.0, "gemm_TFLOPs": 100.0}  # 1 GB/ms, 0.1 TFLOP/ms
+    c = {"kv_read": 3e9, "kv_write": 1e9, "attn_flops": 0.2e12, "bytes": 6e9, "flops": 0.7e12}
+    # attention: max(4 ms, 2 ms); the rest: max(2 ms, 5 ms); floor: max(6, 7) = 7 ms
+    assert rep.serial_floor_us(floors, c) == pytest.approx(9000.0)
+    t, d = e2e.qwen3_8b_target_config(), e2e.qwen3_8b_dflash_config()
+    fl = {"copy_GBps": 3040.0, "gemm_TFLOPs": 687.0}  # an H100's, session 34
+    costs = rep.step_costs(t, d, 1, 1024)
+    ser, flo = rep.step_serial_floors(fl, costs), rep.step_floors(fl, costs)
+    assert ser["decode"] == pytest.approx(flo["decode"], rel=1e-3)
+    assert ser["draft+verify"] == ser["draft"] + ser["verify"]
+    v = rep.target_step_cost(t, 32, 8192, 16, n_taps=5)
+    assert v["attn_flops"] == 4 * 32 * 36 * 32 * 128 * (16 * 8192 + 16 * 17 // 2)
+    kv = v["kv_read"] + v["kv_write"]
+    want = kv / 3.04e12 * 1e6 + (v["flops"] - v["attn_flops"]) / 687e12 * 1e6  # GEMMs FLOP-bound
+    assert rep.serial_floor_us(fl, v) == pytest.approx(want)
+    ratio = rep.serial_floor_us(fl, v) / max(v["bytes"] / 3.04e12, v["flops"] / 687e12) / 1e6
+    assert 1.3 < ratio < 1.4
+    row = rep.summary_row(32, 29500.0, 18800.0, rep.step_floors(fl, rep.step_costs(t, d, 32, 8192)),
+                          rep.step_serial_floors(fl, rep.step_costs(t, d, 32, 8192)))
+    assert row["iter/serial"] < row["iter/floor"]
+
+
 def test_case_memory():
     t, d = e2e.qwen3_8b_target_config(), e2e.qwen3_8b_dflash_config()
     m = rep.case_memory_bytes(t, d, 64, 8192)
@@ -218,6 +244,9 @@ def test_report_tables(tmp_path):
     summ = tabs[rep.SUMMARY]
     assert summ[0]["speedup @6.55"] == pytest.approx(6.55 * 25 / 41)
     assert summ[1]["note"] == "skipped: too big" and "iter ms" not in summ[1]
+    assert summ[0]["iter/serial"] == pytest.approx(41.0 / (1000 * summ[0]["iter serial floor ms"]))
+    assert summ[0]["iter/serial"] <= summ[0]["iter/floor"]
+    assert all(r["serial floor us"] >= r["floor us"] * (1 - 1e-9) for r in tabs[rep.TERMS])
     steps = {r["impl"]: r for r in tabs[rep._steps_title(64)]}
     assert set(steps) == {"draft", "verify", "draft+verify", "decode"}
     assert steps["draft+verify"]["floor us"] == pytest.approx(

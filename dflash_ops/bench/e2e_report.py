@@ -19,6 +19,11 @@ V = 151936, b = 16, T = 5 taps of Ht = 4096; ``target_step_cost``, ``drafter_ste
   the verify's FLOPs do (16 x 16.4 GFLOP a request).
 * ratios: iteration / (draft floor + verify floor), target <= 1.1 at B 1; decode / decode floor,
   target <= 1.1.
+* serial floor(step) = max(K/V bytes / copy, attention FLOPs / GEMM rate) + max(the other bytes /
+  copy, the other FLOPs / GEMM rate): the floor of a forward whose attention and GEMMs run one
+  after the other, as they do layer by layer. It equals the floor where one kind of work
+  dominates and exceeds it where both are large (B 32 x S 8k: the verify's 38.7 GB of K/V and
+  7.8 TFLOP of GEMMs, ~1.35x the floor); the summary gives iteration / serial floor beside it.
 * implied speedup(tau) = tau * t_decode / t_iteration (tau committed tokens an iteration against
   one a decode step), at tau = 6.55 (Qwen3-8B-DFlash-b16, GSM8K, published; the paper reports
   5.2x over plain decoding there, B200, batch 1) and at tau = 16 (oracle: every draft accepted).
@@ -88,8 +93,8 @@ def target_step_cost(cfg, batch: int, context: int, new: int, n_taps: int = 0,
             "other": elt * t * H * (1 + n_taps)}
     cost["bytes"] = sum(cost.values())
     keys = new * context + new * (new + 1) // 2  # causal: query i sees context + i + 1 keys
-    cost["flops"] = (2 * t * (L * mats + V * H)
-                     + 4 * batch * L * cfg.num_heads * cfg.head_dim * keys)
+    cost["attn_flops"] = 4 * batch * L * cfg.num_heads * cfg.head_dim * keys
+    cost["flops"] = 2 * t * (L * mats + V * H) + cost["attn_flops"]
     return cost
 
 
@@ -116,9 +121,9 @@ def drafter_step_cost(cfg, batch: int, context: int, block: int = BLOCK,
             "kv_write": elt * batch * new * kv_row,
             "other": elt * (batch * block * H + batch * new * T * Ht)}
     cost["bytes"] = sum(cost.values())
+    cost["attn_flops"] = 4 * batch * block * L * cfg.num_heads * D * (context + block)
     cost["flops"] = (2 * batch * new * (H * T * Ht + kv_row * H)
-                     + 2 * batch * block * L * mats
-                     + 4 * batch * block * L * cfg.num_heads * D * (context + block)
+                     + 2 * batch * block * L * mats + cost["attn_flops"]
                      + 2 * batch * (block - 1) * V * H)
     return cost
 
@@ -167,6 +172,10 @@ NOTES = [
     "weights + LM head + K/V of the S cached keys read + new K/V written + embedding rows and "
     "taps (table 'floor terms'); x floor = time / floor; iteration floor = draft floor + "
     "verify floor; the targets: iteration <= 1.1x its floor at B 1, decode <= 1.1x",
+    "serial floor(step) = max(K/V bytes / copy, attention FLOPs / GEMM rate) + max(other bytes "
+    "/ copy, other FLOPs / GEMM rate): attention and GEMMs one after the other, as a forward "
+    "runs them (the floor's max() assumes they overlap); iter/serial = iteration / (draft + "
+    "verify serial floors)",
     "verify / decode bytes = 2*[L*((Hq+2Hkv)*D*H + H*Hq*D + 3*I*H + 2H + 2D) + H + V*H + "
     "B*S*L*2*Hkv*D + B*n*L*2*Hkv*D + B*n*H (+ B*n*5*H taps out, verify)], n = 16 / 1; FLOPs = "
     "2*B*n*(L*((Hq+2Hkv)*D*H + H*Hq*D + 3*I*H) + V*H) + 4*B*L*Hq*D*(n*S + n(n+1)/2)",
@@ -209,11 +218,35 @@ def step_floors(floors: dict, costs: dict) -> dict:
     return fl
 
 
-def summary_row(batch: int, t_iteration: float, t_decode: float, fl: dict) -> dict:
-    """The summary table's fields from the iteration and decode times and the floors (us)."""
+def serial_floor_us(floors: dict, cost: dict) -> float:
+    """The floor of a step whose attention and GEMMs run one after the other (as a forward
+    does, layer by layer): max(K/V bytes / copy, attention FLOPs / GEMM rate) + max(the other
+    bytes / copy, the other FLOPs / GEMM rate). Equal to the floor where one kind of work
+    dominates; above it where the K/V stream and the GEMMs' FLOPs are both large (batch 32 x
+    8k: the verify's 38.7 GB of K/V and its 7.8 TFLOP of GEMMs), since the floor's max()
+    assumes they overlap."""
+    kv = cost["kv_read"] + cost["kv_write"]
+    return (floor_us(floors, kv, cost["attn_flops"])
+            + floor_us(floors, cost["bytes"] - kv, cost["flops"] - cost["attn_flops"]))
+
+
+def step_serial_floors(floors: dict, costs: dict) -> dict:
+    """us per step: serial_floor_us; 'draft+verify' = their sum."""
+    fl = {k: serial_floor_us(floors, c) for k, c in costs.items()}
+    fl["draft+verify"] = fl["draft"] + fl["verify"]
+    return fl
+
+
+def summary_row(batch: int, t_iteration: float, t_decode: float, fl: dict,
+                serial: Optional[dict] = None) -> dict:
+    """The summary table's fields from the iteration and decode times and the floors (us);
+    ``serial``: step_serial_floors, for the iteration's ratio to its serial floor."""
     r_it, r_dec = t_iteration / fl["draft+verify"], t_decode / fl["decode"]
+    extra = {} if serial is None else {
+        "iter serial floor ms": _ms(serial["draft+verify"]),
+        "iter/serial": t_iteration / serial["draft+verify"]}
     return {"iter ms": _ms(t_iteration), "iter floor ms": _ms(fl["draft+verify"]),
-            "iter/floor": r_it,
+            "iter/floor": r_it, **extra,
             "<=1.1 (B=1)": ("yes" if r_it <= TARGET_RATIO else "NO") if batch == 1 else "-",
             "decode ms": _ms(t_decode), "decode floor ms": _ms(fl["decode"]),
             "decode/floor": r_dec, "<=1.1": "yes" if r_dec <= TARGET_RATIO else "NO",
@@ -303,8 +336,10 @@ def report(res: Results, tcfg, dcfg, entries: list, loops: list) -> None:
         b, s = e["batch"], e["context"]
         fields = {}
         if e["m"] is not None:
-            fl = step_floors(res.floors, step_costs(tcfg, dcfg, b, s))
-            fields = summary_row(b, e["m"]["iteration"]["us"], e["m"]["decode"]["us"], fl)
+            costs = step_costs(tcfg, dcfg, b, s)
+            fields = summary_row(b, e["m"]["iteration"]["us"], e["m"]["decode"]["us"],
+                                 step_floors(res.floors, costs),
+                                 step_serial_floors(res.floors, costs))
         res.add(SUMMARY, case=case_label(b, s), **fields,
                 **{"mem GB (est.)": e["mem"] / 1e9}, note=e["note"])
     for s in dict.fromkeys(e["context"] for e in done):  # one step table per context
@@ -356,7 +391,8 @@ def report(res: Results, tcfg, dcfg, entries: list, loops: list) -> None:
                        "KV read": c["kv_read"] / 1e9, "KV write": c["kv_write"] / 1e9,
                        "other": c["other"] / 1e9, "total GB": c["bytes"] / 1e9,
                        "TFLOP": c["flops"] / 1e12, "bytes us": floor_us(res.floors, c["bytes"]),
-                       "FLOP us": floor_us(res.floors, 0, c["flops"]), "floor us": fl[name]})
+                       "FLOP us": floor_us(res.floors, 0, c["flops"]), "floor us": fl[name],
+                       "serial floor us": serial_floor_us(res.floors, c)})
     for lp in loops:
         res.add(REAL, case=f"B={lp['batch']}", prompt=LOOP_PROMPT,
                 **{"new tokens": lp["new"]}, **lp["stats"], note=lp["note"])
