@@ -2,6 +2,7 @@
 # (1) l2_prefetch_probe: o_proj's weight prefetched into L2 on a side stream while the layer's
 # attention runs (prediction in NOTES, session 35); (2) the whole GPU suite (pytest -m gpu, every
 # file with GPU tests; its last full run predates PDL), six shards, cut at what time is left
+# (benchmarks/l2_prefetch_probe.py left the tree after this ran, 6642e36: git show b0a7319:benchmarks/l2_prefetch_probe.py)
 set -u
 O=$OUT; t0=$(date +%s); nvidia-smi --query-gpu=name --format=csv,noheader; export OP_CHECK=0
 OUT=$O/b bash benchmarks/gpu_check.sh build > $O/build.log 2>&1; tail -2 $O/build.log
