@@ -1,7 +1,8 @@
 """Where a drafter / verify / decode step spends its GPU time: torch.profiler kernel tables.
 
     python benchmarks/profile_step.py [--rows 18] [--graph] [--exact]
-        [--cases drafter:1x1024,drafter:8x1024,verify:8x1024,decode:1x1024,dflash2:1x1024]
+        [--cases drafter:1x1024,drafter:8x1024,verify:8x1024,decode:1x1024]
+    python benchmarks/profile_step.py --graph --cases dflash2:1x1024
 
 Each case builds the Qwen3-8B-shaped models of the drafter / e2e suites (random bf16 weights),
 runs the step eagerly (default backends) twice to warm up, then profiles 3 steps and prints the

@@ -22,7 +22,7 @@ V = 151936, b = 16, T = 5 taps of Ht = 4096; ``target_step_cost``, ``drafter_ste
 * serial floor(step) = max(K/V bytes / copy, attention FLOPs / GEMM rate) + max(the other bytes /
   copy, the other FLOPs / GEMM rate): the floor of a forward whose attention and GEMMs run one
   after the other, as they do layer by layer. It equals the floor where one kind of work
-  dominates and exceeds it where both are large (B 32 x S 8k: the verify's 38.7 GB of K/V and
+  dominates (the same resource limits both parts) and exceeds it where both are large (B 32 x S 8k: the verify's 38.7 GB of K/V and
   7.8 TFLOP of GEMMs, ~1.35x the floor); the summary gives iteration / serial floor beside it.
 * implied speedup(tau) = tau * t_decode / t_iteration (tau committed tokens an iteration against
   one a decode step), at tau = 6.55 (Qwen3-8B-DFlash-b16, GSM8K, published; the paper reports
