@@ -21,9 +21,10 @@ V = 151936, b = 16, T = 5 taps of Ht = 4096; ``target_step_cost``, ``drafter_ste
   target <= 1.1.
 * serial floor(step) = max(K/V bytes / copy, attention FLOPs / GEMM rate) + max(the other bytes /
   copy, the other FLOPs / GEMM rate): the floor of a forward whose attention and GEMMs run one
-  after the other, as they do layer by layer. It equals the floor where one kind of work
-  dominates (the same resource limits both parts) and exceeds it where both are large (B 32 x S 8k: the verify's 38.7 GB of K/V and
-  7.8 TFLOP of GEMMs, ~1.35x the floor); the summary gives iteration / serial floor beside it.
+  after the other, as they do layer by layer. It equals the floor where the same resource
+  (bytes or FLOPs) limits both parts and exceeds it otherwise (B 32 x S 8k: the verify's
+  38.7 GB of K/V and 7.8 TFLOP of GEMMs, ~1.35x the floor); the summary gives iteration /
+  serial floor beside it.
 * implied speedup(tau) = tau * t_decode / t_iteration (tau committed tokens an iteration against
   one a decode step), at tau = 6.55 (Qwen3-8B-DFlash-b16, GSM8K, published; the paper reports
   5.2x over plain decoding there, B200, batch 1) and at tau = 16 (oracle: every draft accepted).
@@ -221,10 +222,10 @@ def step_floors(floors: dict, costs: dict) -> dict:
 def serial_floor_us(floors: dict, cost: dict) -> float:
     """The floor of a step whose attention and GEMMs run one after the other (as a forward
     does, layer by layer): max(K/V bytes / copy, attention FLOPs / GEMM rate) + max(the other
-    bytes / copy, the other FLOPs / GEMM rate). Equal to the floor where one kind of work
-    dominates; above it where the K/V stream and the GEMMs' FLOPs are both large (batch 32 x
-    8k: the verify's 38.7 GB of K/V and its 7.8 TFLOP of GEMMs), since the floor's max()
-    assumes they overlap."""
+    bytes / copy, the other FLOPs / GEMM rate). Equal to the floor where the same resource
+    limits both parts; above it where the K/V stream and the GEMMs' FLOPs are both large
+    (batch 32 x 8k: the verify's 38.7 GB of K/V and its 7.8 TFLOP of GEMMs), since the
+    floor's max() assumes they overlap."""
     kv = cost["kv_read"] + cost["kv_write"]
     return (floor_us(floors, kv, cost["attn_flops"])
             + floor_us(floors, cost["bytes"] - kv, cost["flops"] - cost["attn_flops"]))
