@@ -51,7 +51,8 @@ def gaps(prof, min_us: float = 20.0) -> dict:
     holes = [b[0] - a[1] for a, b in zip(merged, merged[1:])]
     big = [h for h in holes if h > min_us]
     return dict(window_us=merged[-1][1] - merged[0][0], busy_us=sum(e - s for s, e in merged),
-                gaps=len(big), gap_us=sum(big), gap_median_us=statistics.median(big) if big else 0.0)
+                gaps=len(big), gap_us=sum(big),
+                gap_median_us=statistics.median(big) if big else 0.0)
 
 
 def kernels(prof, rows: int = 14) -> list:

@@ -134,8 +134,8 @@ def test_early_trigger_only_with_pdl_and_one_wave(monkeypatch):
 
 def test_every_launch_of_a_triggering_kernel_passes_early_trigger():
     """The kernels with a TRIGGER constexpr are launched with TRIGGER=early_trigger(launch,
-    ...) and **launch, launch the same launch's pdl_kwargs: a trigger never without PDL, never on a grid
-    of more than a wave."""
+    ...) and **launch, launch the same launch's pdl_kwargs: a trigger never without PDL, never
+    on a grid of more than a wave."""
     n = 0
     for path in sorted(TRITON_DIR.glob("*.py")):
         tree = ast.parse(path.read_text())

@@ -272,7 +272,8 @@ def _launch(x, xw, y, yw, positions, cos_sin_cache, eps, is_neox, norm):
         xw_st_l, xw_st = 0, xw.stride(0)
     yy, yw_ = (y, yw) if y is not None else (x, xw)
     launch = pdl_kwargs(x.device)
-    _rope_kernel[(triton.cdiv(t, block_t), groups)](
+    grid = (triton.cdiv(t, block_t), groups)
+    _rope_kernel[grid](
         x, xw, yy, yw_, positions, cos_sin_cache, t, cos_sin_cache.shape[0],
         cos_sin_cache.stride(0), cos_sin_cache.stride(1), positions.stride(0), eps,
         hx, nxb, x.stride(0), x.stride(1), x.stride(2), xw_st_l, xw_st, nx_progs,
@@ -281,7 +282,7 @@ def _launch(x, xw, y, yw, positions, cos_sin_cache, eps, is_neox, norm):
         D=d, R=r, BLOCK_HALF=block_half, BLOCK_TAIL=block_tail,
         IS_NEOX=bool(is_neox), NORM=norm, HAS_Y=y is not None, BLOCK_T=block_t,
         BLOCK_HX=block_hx, BLOCK_HY=block_hy, OFF_64=span >= _INDEX_32_MAX, num_warps=num_warps,
-        TRIGGER=early_trigger(launch, x.device, triton.cdiv(t, block_t) * groups), **launch)
+        TRIGGER=early_trigger(launch, x.device, grid[0] * grid[1]), **launch)
 
 
 def qk_norm_rope_store_(q, k, v, q_weight, k_weight, positions, cos_sin_cache, eps, is_neox,
@@ -301,7 +302,8 @@ def qk_norm_rope_store_(q, k, v, q_weight, k_weight, positions, cos_sin_cache, e
     qw, kw = (q_weight, k_weight) if norm else (q, q)  # no weights: never read
     bs = k_cache.shape[1]
     launch = pdl_kwargs(q.device)
-    _rope_store_kernel[(triton.cdiv(t, block_t), nqb + 2 * nkb)](
+    grid = (triton.cdiv(t, block_t), nqb + 2 * nkb)
+    _rope_store_kernel[grid](
         q, qw, k, kw, v, k_cache, v_cache, positions, cos_sin_cache, slot_mapping, t,
         cos_sin_cache.shape[0], cos_sin_cache.stride(0), cos_sin_cache.stride(1),
         positions.stride(0), slot_mapping.stride(0), k_cache.shape[0] * bs, bs, eps,
@@ -313,7 +315,7 @@ def qk_norm_rope_store_(q, k, v, q_weight, k_weight, positions, cos_sin_cache, e
         BLOCK_D=triton.next_power_of_2(d), IS_NEOX=bool(is_neox), NORM=norm, BLOCK_T=block_t,
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, OFF_64=span >= _INDEX_32_MAX,
         num_warps=num_warps,
-        TRIGGER=early_trigger(launch, q.device, triton.cdiv(t, block_t) * (nqb + 2 * nkb)), **launch)
+        TRIGGER=early_trigger(launch, q.device, grid[0] * grid[1]), **launch)
 
 
 def rope_(x, positions, cos_sin_cache, is_neox) -> None:
