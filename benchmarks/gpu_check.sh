@@ -65,8 +65,9 @@
 #            the tree in .old (an older commit, carried; built in place) and of this tree,
 #            alternating old/new twice (COMPARE_SUITES=ctx: this tree's ctx_probe.py over each
 #            side's package, context_kv_'s epilogue; attn: attn_probe.py, block_attention at
-#            decode / verify shapes), so a
-#            change's speed is compared within one call (drift between calls is ~4%); OLD_DIR
+#            decode / verify shapes; dflash2-step: bench dflash2-step --cases COMPARE_D2_CASES,
+#            default 1x1024, which an old tree needs: copy this tree's bench/dflash2_step.py
+#            there), so a change's speed is compared within one call (drift between calls is ~4%); OLD_DIR
 #            names another place for the old tree (e.g. one built earlier outside the checkout);
 #            COMPARE_TREES="main:. a:.attna b:.trig" compares any trees in turn (each carried
 #            with its .prebuilt, taken where its stamp matches), ROUNDS rounds (default 2)
@@ -373,6 +374,7 @@ if [ "$what" = compare ]; then
         case $suite in
           drafter) extra="--quick --no-ref" ;;
           attention) extra=${COMPARE_ATTN_ARGS:---no-flex --tables splits --cases 1x1024,1x32768,8x4096,32x4096,1x131072} ;;
+          dflash2-step) extra="--cases ${COMPARE_D2_CASES:-1x1024}" ;;
           *) extra="--quick" ;;
         esac
         log="$OUT/cmp_${suite}_${side}_${round}.log"
@@ -380,6 +382,11 @@ if [ "$what" = compare ]; then
           probe=ctx_probe.py; [ $suite = attn ] && probe=attn_probe.py
           (cd "$dir" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \
             timeout 120 python3 "$root/benchmarks/$probe" > "$log" 2>&1)
+        elif [ $suite = dflash2-step ]; then  # the old tree needs bench dflash2-step --cases
+          # shellcheck disable=SC2086
+          (cd "$dir" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" DFLASH_OPS_COMMIT=$commit \
+            timeout 200 python3 -m dflash_ops bench dflash2-step $extra --no-plot \
+              --out "$OUT/cmp-$side-$round" > "$log" 2>&1)
         else
           # shellcheck disable=SC2086
           (cd "$dir" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" DFLASH_OPS_COMMIT=$commit \
@@ -390,6 +397,7 @@ if [ "$what" = compare ]; then
         if [ $suite = attention ]; then grep -E "^B=" "$log" | head -40
         elif [ $suite = ctx ] || [ $suite = attn ]; then grep -E "^\||rror" "$log"
         elif [ $suite = e2e ]; then grep -E "^\[e2e\] B=|rror" "$log" | cut -c1-120
+        elif [ $suite = dflash2-step ]; then grep -E "^\[dflash2-step\] B=|rror" "$log"
         else grep -A10 "^summary" "$log" | head -12; fi
       done
     done

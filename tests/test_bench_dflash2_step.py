@@ -98,3 +98,19 @@ def test_selector_agreement_checks_the_graphs_own_topk_and_walk():
     assert not ok
     ok, _, _ = selector_agreement(seen, selector, z.clone().fill_(float("nan")), z, tol=0.01)
     assert not ok
+
+
+def test_cases_option_parses_and_names_bad_input():
+    import argparse
+
+    import pytest
+
+    from dflash_ops.bench import dflash2_step as ds
+    from dflash_ops.bench.harness import _parser
+
+    assert ds._cases("1x1024, 64X8192") == [(1, 1024), (64, 8192)]
+    for bad in ("1024", "0x1024", "1x", "ax8"):
+        with pytest.raises(argparse.ArgumentTypeError, match="BxS|need B"):
+            ds._cases(bad)
+    a = _parser(ds).parse_args(["dflash2-step", "--cases", "8x1024"])
+    assert a.cases == [(8, 1024)]

@@ -89,7 +89,6 @@ gather, a 4 GB reference chunk, graph outputs).
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 import warnings
@@ -102,7 +101,7 @@ from .attention_columns import (BF16, BLOCK_SIZE, D, DEVICE, G, HKV, HQ, OP, QLE
                                 ours_triton_config, query_length,
                                 reference, sdpa, visible)
 from .columns import BF16_ULP, Impl, measure, msg
-from .harness import Results, floor_us, l2_bytes, measure_floors, name_list
+from .harness import Results, bxs_cases, floor_us, l2_bytes, measure_floors, name_list
 
 CASES = ((1, 1024), (1, 32768), (1, 131072), (8, 4096), (32, 4096), (64, 1024), (128, 8192))
 QUICK_CASES = ((1, 1024), (1, 32768), (32, 4096), (128, 8192))
@@ -315,17 +314,8 @@ def mask_table(res: Results, timing: dict, flex_skip=None) -> None:
 # ----------------------------------------------------------------------------- run
 def _cases(text: str) -> list:
     """``--cases``: comma-separated BxS, S a multiple of the block size."""
-    out = []
-    for item in text.split(","):
-        try:
-            b, s = (int(x) for x in item.strip().lower().split("x"))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{item!r} is not BxS (e.g. 8x4096)") from None
-        if b < 1 or s < QLEN or s % BLOCK_SIZE:
-            raise argparse.ArgumentTypeError(f"{item!r}: need B >= 1 and S a multiple of "
-                                             f"{BLOCK_SIZE}, >= {QLEN}")
-        out.append((b, s))
-    return out
+    return bxs_cases(text, lambda b, s: None if b >= 1 and s >= QLEN and s % BLOCK_SIZE == 0
+                     else f"B >= 1 and S a multiple of {BLOCK_SIZE}, >= {QLEN}")
 
 
 def add_options(p) -> None:

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from .harness import Results, floor_us, measure_floors, time_fn
+from .harness import Results, bxs_cases, floor_us, measure_floors, time_fn
 
 # Qwen3.8-27B-DFlash2's config as published (z-lab format; tests/test_models_config.py parses
 # it; the non-causal key is is_causal: False).
@@ -156,17 +156,32 @@ def check_graph(drafter, inp: dict, batch: int) -> tuple:
     return out
 
 
-def run(quick: bool = False) -> Results:
+def _cases(text: str) -> list:
+    """``--cases``: comma-separated BxS (B requests x S context tokens), each >= 1."""
+    return bxs_cases(text, lambda b, s: None if b >= 1 and s >= 1 else "B >= 1 and S >= 1")
+
+
+def add_options(p) -> None:
+    p.add_argument("--cases", type=_cases, default=None, metavar="BxS,...",
+                   help="step shapes (B requests x S context tokens, e.g. 1x1024,64x8192); "
+                        "default: all (--quick: 1x1024,64x8192,1x131072)")
+
+
+def run(quick: bool = False, cases=None) -> Results:
+    """The suite; ``cases`` [(B, S), ...] replaces the default shapes (results named
+    ``dflash2-step-<BxS...>`` then, so a restricted run never overwrites a full one's)."""
     if not torch.cuda.is_available():
         raise RuntimeError("dflash2-step suite: needs a CUDA GPU; nothing was run.")
     from .drafter import (agreement, build_drafter, eager_step, graph_step, random_weights,
                           step_inputs, _free)
     from ..models.config import DFlashConfig
 
-    res = Results("dflash2-step" + ("-quick" if quick else ""), floors=measure_floors(),
-                  xlabel="B (requests)")
+    name = "dflash2-step" + ("-quick" if quick else "")
+    if cases:
+        name = "dflash2-step-" + "-".join(f"{b}x{s}" for b, s in cases)
+    res = Results(name, floors=measure_floors(), xlabel="B (requests)")
     timing = dict(warmup_ms=25, rep_ms=150) if quick else dict(warmup_ms=50, rep_ms=400)
-    todo = QUICK_CASES if quick else CASES
+    todo = cases or (QUICK_CASES if quick else CASES)
     cfgs = {VARIANTS[0]: DFlashConfig.from_dict(QWEN38_27B_DFLASH2, source="Qwen3.8-27B-DFlash2"),
             VARIANTS[1]: DFlashConfig.from_dict(dflash_twin(QWEN38_27B_DFLASH2),
                                                 source="Qwen3.8-27B-DFlash2 without conv")}

@@ -423,6 +423,22 @@ class Results:
 
 # ----------------------------------------------------------------------------- CLI
 
+def bxs_cases(text: str, need: Callable[[int, int], Optional[str]]) -> list:
+    """A ``--cases`` value: comma-separated BxS (B requests x S tokens) as [(B, S), ...];
+    ``need(b, s)`` names what a case lacks (None: fine). Raises argparse.ArgumentTypeError."""
+    out = []
+    for item in text.split(","):
+        try:
+            b, s = (int(x) for x in item.strip().lower().split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} is not BxS (e.g. 8x4096)") from None
+        why = need(b, s)
+        if why:
+            raise argparse.ArgumentTypeError(f"{item!r}: need {why}")
+        out.append((b, s))
+    return out
+
+
 def name_list(known: Sequence[str], what: str) -> Callable[[str], List[str]]:
     """An argparse ``type``: comma-separated names of ``known``, returned in ``known``'s order."""
     def parse(text: str) -> List[str]:
