@@ -148,9 +148,14 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   echo "tests: $(( $(date +%s) - t0 )) s"
 fi
 if [ "$what" = sanitize ]; then
+  # racecheck skips cuBLAS's nvjet kernels: it does not follow their mbarrier (TMA) handshakes
+  # and reported 14 hazards in them, none in ours, over the norm/rope/glu tests (session 37)
+  skip=(); compute-sanitizer --help 2>/dev/null | grep -q -- --kernel-name-exclude && \
+    skip=(--kernel-name-exclude kns=nvjet)
   for tool in ${SAN_TOOLS:-memcheck racecheck}; do
+    ex=(); [ "$tool" = racecheck ] && ex=("${skip[@]}")
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_TIMEOUT:-280} compute-sanitizer --tool "$tool" \
-      --error-exitcode 3 --print-limit 20 python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
+      "${ex[@]}" --error-exitcode 3 --print-limit 20 python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
       -k "${SAN_K:+($SAN_K) and }not graph" ${SAN_FILES:-tests/test_hostile_inputs.py tests/test_out_of_range_inputs.py \
       tests/test_conv_kernels.py tests/test_select_kernels.py} >"$OUT/sanitize_$tool.log" 2>&1
     r=$?; [ $r -ne 0 ] && rc=$r

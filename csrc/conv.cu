@@ -116,6 +116,7 @@ struct ConvNormParams {
   const void* w;      // [H]
   int64_t sr, so;
   float eps, inv_h;
+  int trigger;        // the grid is one wave: let the next grid launch right after the wait
 };
 
 constexpr int kNormThreads = 256;
@@ -181,6 +182,8 @@ __device__ __forceinline__ Pack<typename E::Bits, VEC> norm_pack(
 template <class E, int VEC, bool ONE_GROUP>
 __global__ void __launch_bounds__(kNormThreads) conv_add_rms_norm_kernel(const ConvNormParams q) {
   pdl_wait();  // launched as a programmatic dependent (common.cuh): the prior grid first
+  if (q.trigger) pdl_trigger();  // one wave: the next grid (the kernel projection's split-K
+  // GEMM, which prefetches its weight before its own wait) launches while this one runs
   using Bits = typename E::Bits;
   using P = Pack<Bits, VEC>;
   __shared__ float smem[kNormThreads / 32];
@@ -212,6 +215,8 @@ __global__ void __launch_bounds__(kNormThreads) conv_add_rms_norm_kernel(const C
 template <class E, int VEC, bool ONE_GROUP, int NV>
 __global__ void __launch_bounds__(1024) conv_add_rms_norm_reg_kernel(const ConvNormParams q) {
   pdl_wait();  // launched as a programmatic dependent (common.cuh): the prior grid first
+  if (q.trigger) pdl_trigger();  // one wave: the next grid (the kernel projection's split-K
+  // GEMM, which prefetches its weight before its own wait) launches while this one runs
   using Bits = typename E::Bits;
   using P = Pack<Bits, VEC>;
   __shared__ float smem[32];
@@ -429,6 +434,9 @@ void conv_add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Ten
   q.eps = static_cast<float>(eps);
   q.inv_h = 1.0f / static_cast<float>(h);
   const c10::cuda::CUDAGuard guard(x.device());
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.get_device()));
+  q.trigger = t <= sms;  // a CTA a row
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
   switch (x.scalar_type()) {
     case at::kBFloat16: run_norm<BF16>(q, stream); break;

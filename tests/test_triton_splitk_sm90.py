@@ -17,7 +17,7 @@ CASES = [(True, False), (True, True), (False, False), (False, True)]
 
 
 def _compile(tma: bool, ones: bool, serial: bool = False, pdl: bool = False,
-             add_norm: bool = False):
+             add_norm: bool = False, prefetch: int = 0):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -25,18 +25,19 @@ def _compile(tma: bool, ones: bool, serial: bool = False, pdl: bool = False,
     from dflash_ops.triton import context as tc
     fn = tc._proj_splitk_kernel
     consts = dict(SPLIT=4, SERIAL=serial, TMA=tma, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=32,
-                  BLOCK_K=128, GROUP_M=8, ADD_NORM=add_norm, PDL=pdl)
+                  BLOCK_K=128, GROUP_M=8, ADD_NORM=add_norm, PREFETCH=prefetch, PDL=pdl)
     if ones:
         consts.update(T=1, NUM_M=1, NUM_N=1, x_st_k=1, w_st_k=1, b_st=1)
     ptrs = {"x_ptr": "tensordesc<bf16[16, 128]>" if tma else "*bf16",
             "w_ptr": "tensordesc<bf16[32, 128]>" if tma else "*bf16",
-            "b_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32",
+            "wp_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32",
+            "cnt_ptr": "*i32",
             "res_ptr": "*bf16", "nw_ptr": "*bf16", "ss_ptr": "*fp32"}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         sig[name] = "constexpr" if name in consts else ptrs.get(name, "i32")
-        aligned = ("b_ptr", "out_ptr", "part_ptr", "cnt_ptr", "res_ptr", "nw_ptr", "ss_ptr",
-                   "H", "KS", "x_st_m", "w_st_n", "o_st_m") + \
+        aligned = ("wp_ptr", "b_ptr", "out_ptr", "part_ptr", "cnt_ptr", "res_ptr", "nw_ptr",
+                   "ss_ptr", "H", "KS", "x_st_m", "w_st_n", "o_st_m") + \
             (() if tma else ("x_ptr", "w_ptr"))  # JIT: 16-byte aligned
         if name in aligned:
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -92,6 +93,23 @@ def test_splitk_kernel_as_a_programmatic_dependent():
                                                      "cp.async")) if i >= 0)
     assert wait < first, "a global access before the wait"
     assert "griddepcontrol" not in _compile(False, True).asm["ptx"]
+
+
+@pytest.mark.parametrize("serial", [False, True])
+@pytest.mark.parametrize("tma", [False, True])
+def test_splitk_kernel_prefetches_its_weight_before_the_wait(serial, tma):
+    """PREFETCH (PDL launches): the program's weight slice is prefetched into L2, a line at a
+    time, before the wait for the prior grid (the weight never comes from that grid), and
+    nothing else is read, written or copied before the wait; no prefetch with PREFETCH 0."""
+    pytest.importorskip("triton.backends.nvidia", reason="triton without its CUDA backend")
+    ptx = _compile(tma, True, serial=serial, pdl=True, prefetch=2).asm["ptx"]
+    wait = ptx.index("griddepcontrol.wait")
+    pre = [m.start() for m in re.finditer(r"prefetch\.global\.L2", ptx)]
+    assert pre and max(pre) < wait, "no prefetch before the wait"
+    rest = re.sub(r"prefetch\.global\.L2", "", ptx[:wait])
+    assert not re.search(r"ld\.global|st\.global|atom\.global|cp\.async", rest), \
+        "a global access other than the prefetch before the wait"
+    assert "prefetch" not in _compile(tma, True, serial=serial, pdl=True).asm["ptx"]
 
 
 @pytest.mark.parametrize("serial", [False, True])

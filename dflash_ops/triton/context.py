@@ -294,12 +294,39 @@ def _split_store(total, b_ptr, out_ptr, res_ptr, nw_ptr, ss_ptr, rows, cols, pid
 
 
 @triton.jit
-def _proj_splitk_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, res_ptr, nw_ptr, ss_ptr,
-                        T, N, H, KS, x_st_m, x_st_k, w_st_n, w_st_k, b_st, o_st_m, NUM_M, NUM_N,
-                        NSS, SPLIT: tl.constexpr, SERIAL: tl.constexpr, TMA: tl.constexpr,
+def _prefetch_l2(wp_ptr, cols, N, w_st_n, k_lo, k_hi, ES: tl.constexpr):
+    # a hint, no data: w[cols, k_lo:k_hi] (unit stride along K) into L2, one
+    # prefetch.global.L2 a 128-byte line (eight lines of each row a step); rows past N repeat
+    # the last row, lines past k_hi the first
+    c = tl.where(cols < N, cols, N - 1).to(tl.int64)
+    step: tl.constexpr = 128 // ES
+    j = tl.arange(0, 8) * step
+    for k0 in range(k_lo, k_hi, 8 * step):
+        k = tl.where(k0 + j < k_hi, k0 + j, k_lo)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                  [wp_ptr + c[:, None] * w_st_n + k[None, :]],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _proj_splitk_kernel(x_ptr, w_ptr, wp_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, res_ptr, nw_ptr,
+                        ss_ptr, T, N, H, KS, x_st_m, x_st_k, w_st_n, w_st_k, b_st, o_st_m, NUM_M,
+                        NUM_N, NSS, SPLIT: tl.constexpr, SERIAL: tl.constexpr, TMA: tl.constexpr,
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, ADD_NORM: tl.constexpr,
-                        PDL: tl.constexpr):
+                        PREFETCH: tl.constexpr, PDL: tl.constexpr):
+    tile = tl.program_id(0)
+    pid_m, pid_n = _tile_ids(tile, NUM_M, NUM_N, GROUP_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PREFETCH > 0:  # (PDL only) the weight does not come from the prior grid: its slice
+        # streams into L2 while that grid finishes (wp_ptr: w itself, w_ptr may be a TMA
+        # descriptor); PREFETCH is w's element size in bytes
+        if SERIAL:
+            _prefetch_l2(wp_ptr, cols, N, w_st_n, 0, H, PREFETCH)
+        else:
+            _prefetch_l2(wp_ptr, cols, N, w_st_n, tl.program_id(1) * KS,
+                         tl.minimum(tl.program_id(1) * KS + KS, H), PREFETCH)
     if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
         tl.extra.cuda.gdc_wait()
     # K in SPLIT slices [s * KS, (s + 1) * KS) (KS a multiple of BLOCK_K); the tile's result is
@@ -311,10 +338,6 @@ def _proj_splitk_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, res_ptr
     # zeroed. SERIAL (grid (tiles,)): a program computes its tile's slices in turn, the same
     # operations in the same order: the same bits as the parallel launch (exact mode picks
     # either by the tile count; a row's result never depends on which).
-    tile = tl.program_id(0)
-    pid_m, pid_n = _tile_ids(tile, NUM_M, NUM_N, GROUP_M)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if SERIAL:
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for s in range(SPLIT):
@@ -551,6 +574,16 @@ def tma_ok(*ts: torch.Tensor) -> bool:
     return _interpreting()
 
 
+def prefetch_bytes(w: torch.Tensor, ks: int) -> int:
+    """The split-K kernel's PREFETCH: w's element size where its rows can be prefetched into
+    L2 a 128-byte line at a time in slices of ``ks`` columns (unit stride along K; base, row
+    stride, slice and row lengths on 16 bytes), else 0 (no prefetch)."""
+    es = w.element_size()
+    ok = (w.stride(1) == 1 and w.data_ptr() % 16 == 0 and (w.stride(0) * es) % 16 == 0
+          and (ks * es) % 16 == 0 and (w.shape[1] * es) % 16 == 0)
+    return es if ok else 0
+
+
 def _grid(tiles: int, persistent: bool, device: torch.device) -> int:
     """One program per tile, or (persistent) at most one per SM walking the tiles."""
     if not persistent:
@@ -616,13 +649,15 @@ def launch_proj(x, w_kv, bias, out, cfg: ProjCfg, add_norm=None) -> None:
             part = torch.empty((cfg.split, num_m * cfg.bm, num_n * cfg.bn),
                                dtype=torch.float32, device=x.device)
             cnt = _tile_counters(x.device, num_m * num_n)
+        pdl = pdl_kwargs(x.device)
         _proj_splitk_kernel[(num_m * num_n,) if cfg.serial else (num_m * num_n, cfg.split)](
-            xo, wo, b, out, part, cnt, res, nw, ss, t, n, h, ks, x.stride(0), x.stride(1),
+            xo, wo, w_kv, b, out, part, cnt, res, nw, ss, t, n, h, ks, x.stride(0), x.stride(1),
             w_kv.stride(0), w_kv.stride(1), bias.stride(0) if bias is not None else 0,
             out.stride(0), num_m, num_n, nss, SPLIT=cfg.split, SERIAL=cfg.serial, TMA=tma,
             HAS_BIAS=bias is not None, BLOCK_M=cfg.bm, BLOCK_N=cfg.bn, BLOCK_K=cfg.bk,
-            GROUP_M=cfg.gm, ADD_NORM=add_norm is not None, num_warps=cfg.warps,
-            num_stages=cfg.stages, **pdl_kwargs(x.device))
+            GROUP_M=cfg.gm, ADD_NORM=add_norm is not None,
+            PREFETCH=prefetch_bytes(w_kv, ks) if pdl["PDL"] else 0, num_warps=cfg.warps,
+            num_stages=cfg.stages, **pdl)
         return
     _kv_proj_kernel[(_grid(num_m * num_n, cfg.persistent, x.device),)](
         xo, wo, b, out, res, nw, ss, t, n, h, x.stride(0), x.stride(1), w_kv.stride(0),
