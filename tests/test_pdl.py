@@ -50,6 +50,20 @@ def _jit_kernels(tree):
             yield node
 
 
+def _before_the_wait(stmt) -> bool:
+    """What may precede a kernel's PDL wait: index arithmetic (assignments that read, write or
+    copy no memory) and the weight's L2 prefetch (`if PREFETCH ...:` calling _prefetch_l2 only:
+    a hint that returns no data; test_triton_splitk_sm90 checks its PTX)."""
+    text = ast.unparse(stmt)
+    if isinstance(stmt, ast.Assign):
+        return not any(w in text for w in ("load", "store", "atomic", "desc", "gdc_"))
+    if isinstance(stmt, ast.If) and "PREFETCH" in ast.unparse(stmt.test):
+        calls = [ast.unparse(c.func) for c in ast.walk(stmt) if isinstance(c, ast.Call)]
+        return bool(calls) and all(c in ("_prefetch_l2", "tl.program_id", "tl.minimum")
+                                   for c in calls)
+    return False
+
+
 def test_every_triton_kernel_waits_first_and_every_launch_passes_pdl():
     kernels = launches = 0
     for path in sorted(TRITON_DIR.glob("*.py")):
@@ -64,6 +78,8 @@ def test_every_triton_kernel_waits_first_and_every_launch_passes_pdl():
             if (isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
                     and isinstance(body[0].value.value, str)):
                 body = body[1:]  # the docstring
+            while _before_the_wait(body[0]):
+                body = body[1:]
             first = body[0]
             assert (isinstance(first, ast.If) and ast.unparse(first.test) == "PDL"
                     and ast.unparse(first.body[0]).endswith("gdc_wait()")), \

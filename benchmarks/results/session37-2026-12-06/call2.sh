@@ -3,9 +3,11 @@
 # Its GPU tests (split-K GEMM, conv kernels, the DFlash 2 drafter and the paths over them),
 # bench dflash2-step 1 x 1k vs .prev (b4d298b, main before the merge), then memcheck and
 # racecheck (cuBLAS's nvjet kernels skipped) over the conv and split-K tests.
+# On an H200 instead: session 35's call1.sh H200 branch (issue 19's table, issue 17's shapes).
 set -u
-O=$OUT; t0=$(date +%s); nvidia-smi --query-gpu=name --format=csv,noheader
+O=$OUT; t0=$(date +%s); gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "$gpu"
 export OP_CHECK=0
+case "$gpu" in *H200*) bash benchmarks/results/session35-2026-12-06/call1.sh; exit ;; esac
 OUT=$O/t SHARDS=4 TEST_FILES="tests/test_triton_splitk_sm90.py tests/test_conv_kernels.py \
   tests/test_drafter2_parity.py tests/test_models_linear.py tests/test_context_kernels.py \
   tests/test_bench_dflash2_step.py tests/test_speculator.py" \
