@@ -67,9 +67,9 @@
 #            side's package, context_kv_'s epilogue; attn: attn_probe.py, block_attention at
 #            decode / verify shapes; dflash2-step: bench dflash2-step --cases COMPARE_D2_CASES,
 #            default 1x1024, which an old tree needs: copy this tree's bench/dflash2_step.py
-#            there), so a change's speed is compared within one call (drift between calls is
-#            ~4%); OLD_DIR names another place for the old tree (e.g. one built earlier
-#            outside the checkout);
+#            there; e2e takes COMPARE_E2E_ARGS, default --quick), so a change's speed is
+#            compared within one call (drift between calls is ~4%); OLD_DIR names another
+#            place for the old tree (e.g. one built earlier outside the checkout);
 #            COMPARE_TREES="main:. a:.attna b:.trig" compares any trees in turn (each carried
 #            with its .prebuilt, taken where its stamp matches), ROUNDS rounds (default 2)
 # Set DFLASH_OPS_COMMIT (the device copy has no .git) so result files name the commit; compare
@@ -381,6 +381,7 @@ if [ "$what" = compare ]; then
           drafter) extra="--quick --no-ref" ;;
           attention) extra=${COMPARE_ATTN_ARGS:---no-flex --tables splits --cases 1x1024,1x32768,8x4096,32x4096,1x131072} ;;
           dflash2-step) extra="--cases ${COMPARE_D2_CASES:-1x1024}" ;;
+          e2e) extra=${COMPARE_E2E_ARGS:---quick} ;;
           *) extra="--quick" ;;
         esac
         log="$OUT/cmp_${suite}_${side}_${round}.log"
