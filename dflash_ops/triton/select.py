@@ -94,6 +94,8 @@ dispatch.register_backend("select_candidates", "triton", select_candidates)
 # every chunk: 56 us at M 7, 2.3 ms at M 448 on the H200, slower than torch.topk).
 TOPK_CHUNK = 2048
 EMPTY = tl.constexpr(-(1 << 63))
+# warps of the four launches (benchmarks/topk_probe.py times other counts against these)
+TOPK_WARPS = {"chunk_max": 4, "threshold": 4, "chunk": 4, "merge": 4}
 
 
 @triton.jit
@@ -199,15 +201,17 @@ def row_topk(z, k: int):
     cmax = torch.empty((m, nch), dtype=torch.float32, device=z.device)
     thr = torch.empty((m,), dtype=torch.float32, device=z.device)
     cand = torch.empty((m, nch, kp), dtype=torch.long, device=z.device)
-    _chunk_max_kernel[(m, nch)](z, z.stride(0), v, cmax, nch, CHUNK=chunk, num_warps=4,
-                                **pdl_kwargs(z.device))
-    _threshold_kernel[(m,)](cmax, thr, nch, K=k, NP=triton.next_power_of_2(nch), num_warps=4,
-                            **pdl_kwargs(z.device))
+    w = TOPK_WARPS
+    _chunk_max_kernel[(m, nch)](z, z.stride(0), v, cmax, nch, CHUNK=chunk,
+                                num_warps=w["chunk_max"], **pdl_kwargs(z.device))
+    _threshold_kernel[(m,)](cmax, thr, nch, K=k, NP=triton.next_power_of_2(nch),
+                            num_warps=w["threshold"], **pdl_kwargs(z.device))
     _topk_chunk_kernel[(m, nch)](z, z.stride(0), v, cmax, thr, cand, nch, K=k, KP=kp,
-                                 CHUNK=chunk, num_warps=4, **pdl_kwargs(z.device))
+                                 CHUNK=chunk, num_warps=w["chunk"], **pdl_kwargs(z.device))
     n = nch * kp
     _topk_merge_kernel[(m,)](z, z.stride(0), cand, vals, idx, n, K=k, KP=kp,
-                             NP=triton.next_power_of_2(n), num_warps=4, **pdl_kwargs(z.device))
+                             NP=triton.next_power_of_2(n), num_warps=w["merge"],
+                             **pdl_kwargs(z.device))
     return vals, idx
 
 

@@ -5,7 +5,8 @@
 #   issue 17's seven shapes), the gates no session since 26 has measured;
 # - an H100: branch walk-table (.walk: `git archive walk-table | tar -x -C .walk`, without
 #   benchmarks/results and dflash_ops/data, main's .prebuilt: no csrc change) vs main, bench
-#   dflash2-step 1 x 1k, two rounds (predicted -4 to -9 us), its GPU tests in its tree; then
+#   dflash2-step 1 x 1k, two rounds (predicted -4 to -9 us), its GPU tests in its tree;
+#   topk_probe (row_topk's warp counts); then
 #   Nsight Compute of the DFlash 2 kernel projection and its neighbours alone (issue 16:
 #   profile before the next change); then, time left, e2e at 1 x 1k of .prev (b4d298b, main
 #   before prefetch-line) vs main (predicted 0 to -50 us on the 5.9 ms decode)
@@ -23,6 +24,8 @@ case "$gpu" in
       tests/test_select_kernels.py tests/test_drafter2_parity.py tests/test_bench_dflash2_step.py \
       > $O/pytest_walk.log 2>&1)
     tail -3 $O/pytest_walk.log; echo "walk tests: $(( $(date +%s) - t0 )) s"
+    timeout 120 python3 benchmarks/topk_probe.py > $O/topk_probe.log 2>&1
+    grep -E "^\|" $O/topk_probe.log | head -30; echo "topk_probe: $(( $(date +%s) - t0 )) s"
     OUT=$O/n NCU_CASES="proj_splitk proj_triton convnorm_t8 topk_b1" \
       bash benchmarks/gpu_check.sh ncu-cases > $O/ncu_call.log 2>&1
     grep -E "^== ncu|Duration|DRAM Throughput|Grid Size|Waves" $O/ncu_call.log | head -24
