@@ -65,11 +65,12 @@
 #            the tree in .old (an older commit, carried; built in place) and of this tree,
 #            alternating old/new twice (COMPARE_SUITES=ctx: this tree's ctx_probe.py over each
 #            side's package, context_kv_'s epilogue; attn: attn_probe.py, block_attention at
-#            decode / verify shapes; dflash2-step: bench dflash2-step --cases COMPARE_D2_CASES,
-#            default 1x1024, which an old tree needs: copy this tree's bench/dflash2_step.py
-#            there; e2e takes COMPARE_E2E_ARGS, default --quick), so a change's speed is
-#            compared within one call (drift between calls is ~4%); OLD_DIR names another
-#            place for the old tree (e.g. one built earlier outside the checkout);
+#            decode / verify shapes; conv: conv_probe.py, DFlash 2's two conv ops;
+#            dflash2-step: bench dflash2-step --cases COMPARE_D2_CASES, default 1x1024, which
+#            an old tree needs: copy this tree's bench/dflash2_step.py there; e2e takes
+#            COMPARE_E2E_ARGS, default --quick), so a change's speed is compared within one
+#            call (drift between calls is ~4%); OLD_DIR names another place for the old tree
+#            (e.g. one built earlier outside the checkout);
 #            COMPARE_TREES="main:. a:.attna b:.trig" compares any trees in turn (each carried
 #            with its .prebuilt, taken where its stamp matches), ROUNDS rounds (default 2)
 # Set DFLASH_OPS_COMMIT (the device copy has no .git) so result files name the commit; compare
@@ -385,8 +386,8 @@ if [ "$what" = compare ]; then
           *) extra="--quick" ;;
         esac
         log="$OUT/cmp_${suite}_${side}_${round}.log"
-        if [ $suite = ctx ] || [ $suite = attn ]; then  # this tree's probe over each side
-          probe=ctx_probe.py; [ $suite = attn ] && probe=attn_probe.py
+        if [ $suite = ctx ] || [ $suite = attn ] || [ $suite = conv ]; then  # this tree's
+          probe=${suite}_probe.py  # probe over each side's package
           (cd "$dir" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \
             timeout 120 python3 "$root/benchmarks/$probe" > "$log" 2>&1)
         elif [ $suite = dflash2-step ]; then  # the old tree needs bench dflash2-step --cases
