@@ -35,7 +35,7 @@ case "$gpu" in
     echo "conv compare: $(( $(date +%s) - t0 )) s"
     [ "$(left)" -gt 60 ] && timeout 60 python3 benchmarks/topk_probe.py > $O/topk_probe.log 2>&1
     grep -E "^\|" $O/topk_probe.log | head -30; echo "topk_probe: $(( $(date +%s) - t0 )) s"
-    [ "$(left)" -gt 120 ] && OUT=$O/n NCU_CASES="proj_splitk proj_triton convnorm_t8 topk_b1" \
+    [ "$(left)" -gt 120 ] && OUT=$O/n NCU_CASES="proj_splitk convnorm_t8 conv_t8 topk_b1 proj_triton" \
       NCU_TIMEOUT=$(( $(left) / 5 )) bash benchmarks/gpu_check.sh ncu-cases > $O/ncu_call.log 2>&1
     grep -E "^== ncu|Duration|DRAM Throughput|Grid Size|Waves" $O/ncu_call.log | head -24
     [ "$(left)" -gt 150 ] && OUT=$O/e COMPARE_SUITES=e2e \
