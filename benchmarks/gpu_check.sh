@@ -404,6 +404,7 @@ if [ "$what" = compare ]; then
         echo "== $suite $side ($commit) round $round: $(( $(date +%s) - t0 )) s"
         if [ $suite = attention ]; then grep -E "^B=" "$log" | head -40
         elif [ $suite = ctx ] || [ $suite = attn ]; then grep -E "^\||rror" "$log"
+        elif [ $suite = conv ]; then grep -E "^## |^\| [0-9]+ \| ours \(cuda\)|rror" "$log"
         elif [ $suite = e2e ]; then grep -E "^\[e2e\] B=|rror" "$log" | cut -c1-120
         elif [ $suite = dflash2-step ]; then grep -E "^\[dflash2-step\] B=|rror" "$log"
         else grep -A10 "^summary" "$log" | head -12; fi

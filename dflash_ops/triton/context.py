@@ -575,9 +575,11 @@ def tma_ok(*ts: torch.Tensor) -> bool:
 
 
 def prefetch_bytes(w: torch.Tensor, ks: int) -> int:
-    """The split-K kernel's PREFETCH: w's element size where its rows can be prefetched into
-    L2 a 128-byte line at a time in slices of ``ks`` columns (unit stride along K; base, row
-    stride, slice and row lengths on 16 bytes), else 0 (no prefetch)."""
+    """The split-K kernel's PREFETCH: w's element size where its rows have unit stride along
+    K (the prefetch walks a row slice's 128-byte lines by address), else 0 (no prefetch).
+    The 16-byte conditions are the bulk prefetch's (session 36); the line prefetch needs none,
+    but only weights that meet them have run it on a GPU, so they stay until one that does
+    not has."""
     es = w.element_size()
     ok = (w.stride(1) == 1 and w.data_ptr() % 16 == 0 and (w.stride(0) * es) % 16 == 0
           and (ks * es) % 16 == 0 and (w.shape[1] * es) % 16 == 0)

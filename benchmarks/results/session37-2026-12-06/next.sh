@@ -30,8 +30,8 @@ case "$gpu" in
     [ "$(left)" -gt 120 ] && OUT=$O/v COMPARE_SUITES=conv COMPARE_TREES="main:. cpre:.cpre" \
       ROUNDS=2 ROUND_BUDGET_S=$(( $(left) / 2 )) bash benchmarks/gpu_check.sh compare \
       > $O/cmp_conv_call.log 2>&1
-    grep -E "^\| (grouped|conv_add)" $O/v/cmp_conv_*.log 2>/dev/null | sed 's|.*/cmp_conv_||' \
-      | head -40
+    grep -E "^## |^\| [0-9]+ \| ours \(cuda\)" $O/v/cmp_conv_*.log 2>/dev/null \
+      | sed 's|.*/cmp_conv_||' | cut -c1-140 | head -40
     echo "conv compare: $(( $(date +%s) - t0 )) s"
     [ "$(left)" -gt 60 ] && timeout 60 python3 benchmarks/topk_probe.py > $O/topk_probe.log 2>&1
     grep -E "^\|" $O/topk_probe.log | head -30; echo "topk_probe: $(( $(date +%s) - t0 )) s"
