@@ -78,6 +78,7 @@ from .e2e_report import (
     E2EResults, case_label, case_memory_bytes, progress, report, round_up, step_costs,
     step_floors, summary_row,
 )
+from ..models.cache import PagedKVCache
 from ..ops.select import argmax_last
 from .harness import Results, measure_floors
 
@@ -201,18 +202,20 @@ def build_models(tcfg, dcfg, seed: int = 0, device="cuda", dtype=torch.bfloat16,
 
 
 def install_caches(target, drafter, slots: int, num_blocks: int, max_len: int,
-                   fill: bool = True) -> None:
+                   fill: bool = True, share: int = 1, shared_len: int = 0) -> None:
     """Give both models a fresh paged cache: ``slots`` request slots, ``num_blocks`` blocks of
     KV_BLOCK rows, block tables for ``max_len`` positions; ``fill``: every row randn (the K/V a
-    prefill would have left: attention reads them, and never zeros)."""
-    from ..models.cache import PagedKVCache
-
+    prefill would have left: attention reads them, and never zeros). ``share`` > 1: a
+    ``SharedContextCache`` whose slots share their first ``shared_len`` positions' blocks in
+    groups of ``share``."""
     for model, cfg in ((target, target.cfg), (drafter, drafter.cfg)):
         model.cache = None
         gc.collect()
         torch.cuda.empty_cache()
-        model.cache = PagedKVCache(cfg.num_layers, num_blocks, KV_BLOCK, cfg.num_kv_heads,
-                                   cfg.head_dim, slots, max_len, model.dtype, model.device)
+        args = (cfg.num_layers, num_blocks, KV_BLOCK, cfg.num_kv_heads, cfg.head_dim, slots,
+                max_len, model.dtype, model.device)
+        model.cache = (PagedKVCache(*args) if share == 1 else
+                       SharedContextCache(*args, share=share, shared_len=shared_len))
         if fill:
             for t in model.cache.k + model.cache.v:
                 t.normal_()
@@ -220,6 +223,80 @@ def install_caches(target, drafter, slots: int, num_blocks: int, max_len: int,
 
 def release_caches(target, drafter) -> None:
     install_caches(target, drafter, 1, 1, KV_BLOCK, fill=False)
+
+
+class SharedContextCache(PagedKVCache):
+    """A benchmark's paged cache for batches whose K/V does not fit the device: request
+    slots share the blocks of their first ``shared_len`` positions (whole blocks) in
+    groups of ``share`` (slot r in group r % groups), and positions past them take the
+    slot's own blocks, as in ``PagedKVCache``. Member k of a group (k = r // groups) reads
+    the group's blocks rotated by k * 5/16 of them, so that members streaming their keys
+    at the same time read blocks ~5/16 of the context apart: none meets a block another
+    member just brought into L2, at 1-8 key splits a request (a block table a real batch
+    could have). Every kernel reads the same bytes as with its own blocks and its time
+    depends on the lengths, not the values; but members overwrite each other's K/V there,
+    so it is only for benchmarks whose tokens do not depend on the context
+    (``bench.policy``: ``fast_prefill`` on the ``counter_target``)."""
+
+    def __init__(self, *args, share: int, shared_len: int):
+        super().__init__(*args)
+        if share < 1:
+            raise ValueError(f"SharedContextCache: share must be >= 1, got {share}")
+        if shared_len < 0:
+            raise ValueError(f"SharedContextCache: shared_len must be >= 0, got "
+                             f"{shared_len}")
+        self.share = share
+        self.shared = min(shared_len // self.block_size, self.max_blocks)
+        self.groups = -(-self.block_table.shape[0] // share)
+        self._pool: dict = {}  # group -> its shared blocks
+        self._members: dict = {}  # group -> the slots holding them
+
+    @staticmethod
+    def num_blocks_for(slots: int, max_len: int, block_size: int, share: int,
+                       shared_len: int) -> int:
+        """Blocks for ``slots`` requests of ``max_len`` positions at once."""
+        per = -(-max_len // block_size)
+        sh = min(shared_len // block_size, per)
+        return -(-slots // share) * sh + slots * (per - sh)
+
+    def rotation(self, r: int) -> int:
+        return (r // self.groups) * self.shared * 5 // 16 % max(self.shared, 1)
+
+    def add_request(self, r: int, max_len=None) -> None:
+        n = self._blocks_of(r, max_len)
+        g, head = r % self.groups, min(n, self.shared)
+        take = n - head + (0 if g in self._pool else self.shared)
+        if take > len(self._free):
+            raise RuntimeError(f"SharedContextCache.add_request: {take} blocks needed, "
+                               f"{len(self._free)} free")
+        if g not in self._pool:
+            self._pool[g] = [self._free.pop() for _ in range(self.shared)]
+            self._members[g] = set()
+        pool, off = self._pool[g], self.rotation(r)
+        own = [self._free.pop() for _ in range(n - head)]
+        self._owned[r] = own
+        self._members[g].add(r)
+        self._set_row(r, [pool[(j + off) % self.shared] for j in range(head)] + own)
+
+    def free_request(self, r: int) -> None:
+        self._free.extend(reversed(self._owned.pop(r)))
+        g = r % self.groups
+        self._members[g].discard(r)
+        if not self._members[g]:
+            self._free.extend(reversed(self._pool.pop(g)))
+            del self._members[g]
+        self.block_table[r].fill_(self.num_blocks)
+
+    def blocks_needed(self, lengths) -> int:
+        need, new = 0, set()
+        for r, n in enumerate(lengths):
+            b = -(-n // self.block_size)
+            need += b - min(b, self.shared)
+            g = r % self.groups
+            if g not in self._pool and g not in new:
+                new.add(g)
+                need += self.shared
+        return need
 
 
 def time_replays(fn, rep_ms: float, min_reps: int = 10, max_reps: int = 200) -> dict:

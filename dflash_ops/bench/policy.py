@@ -30,8 +30,13 @@ policy's cost table, which it keeps per drafter across calls as a server would);
 the costs) and gets one warm-up run on it before the timed ones.
 
 Cases: B 1 / 8 / 32 x S 1k / 8k / 32k (``--quick``: 1 x 1k, 8 x 1k, 1 x 8k), or
-``DFLASH_OPS_BENCH_POLICY_CASES`` (``BxS`` comma-separated, ``k`` = 1024); a case that does not
-fit in memory is skipped with a line saying so. ``DFLASH_OPS_BENCH_POLICY_TRACE=PATH`` appends
+``DFLASH_OPS_BENCH_POLICY_CASES`` (``BxS`` comma-separated, ``k`` = 1024). A case whose caches do
+not fit in memory runs with its requests sharing their prompts' K/V blocks in pairs (up to
+``MAX_SHARE``; ``--share N`` forces N): ``e2e.SharedContextCache``, each member reading the
+blocks rotated, so every kernel reads the bytes it would read with its own blocks (the values
+do not matter here: ``fast_prefill`` on the counter target); the notes say so. B 32 x 32k
+needs it on a 141 GB H200 (183 GB of K/V with a block set a request, 94 GB in pairs). A case
+that does not fit even so is skipped with a line saying so. ``DFLASH_OPS_BENCH_POLICY_TRACE=PATH`` appends
 every choice of the timed policy runs to PATH (JSON lines: ``_traced``);
 ``DFLASH_OPS_BENCH_POLICY_PS`` (e.g. ``0,0.2``) runs only those p. A run of chosen cases or p
 writes ``policy-<cases>[-p<ps>].{md,json,png}``. The whole grid does not fit one device call
@@ -250,12 +255,14 @@ def plain_rates(target, prompts, n_new: int, repeats: int = REPEATS) -> tuple:
     return out, rates
 
 
-def case_cache(batch: int, context: int, n_new: int = NEW_TOKENS) -> tuple:
+def case_cache(batch: int, context: int, n_new: int = NEW_TOKENS, share: int = 1) -> tuple:
     """(max_len, num_blocks) of a case's caches: room for the prompt, the new tokens and two
-    blocks of 16 a request, for ``batch`` requests and the steps' scratch slot."""
-    from .e2e import KV_BLOCK, round_up
+    blocks of 16 a request, for ``batch`` requests and the steps' scratch slot; ``share`` > 1:
+    the prompts' blocks shared in groups of ``share`` (``e2e.SharedContextCache``)."""
+    from .e2e import KV_BLOCK, SharedContextCache, round_up
     max_len = round_up(context + n_new + 2 * 16 + 2, KV_BLOCK)
-    return max_len, (batch + 1) * max_len // KV_BLOCK
+    return max_len, SharedContextCache.num_blocks_for(batch + 1, max_len, KV_BLOCK, share,
+                                                      context)
 
 
 def run_case(res: Results, target, drafter, batch: int, context: int, ps=P_GRID,
@@ -449,6 +456,10 @@ def plot(res: Results, path) -> Optional[str]:
 HEADROOM = 4 << 30
 ENV_CASES = "DFLASH_OPS_BENCH_POLICY_CASES"  # e.g. "32x1k,8x32k": replaces the cases
 ENV_PS = "DFLASH_OPS_BENCH_POLICY_PS"  # e.g. "0,0.2": a part of P_GRID (a case's part a call)
+# a case whose caches do not fit shares its prompts' blocks in groups of up to this many
+# requests (``--share``): 32 x 32k's K/V is 183 GB with its own blocks a request (target 155
+# + drafter 21 + the steps' slot), 94 GB in pairs
+MAX_SHARE = 4
 
 
 def parse_ps(text: str) -> tuple:
@@ -467,14 +478,30 @@ def add_options(p) -> None:
                    help="compute every prompt token's K/V in each run's prefill (default: only "
                         "the last token's, see fast_prefill; tokens a second exclude the "
                         "prefill either way)")
+    p.add_argument("--share", type=int, default=0, metavar="N",
+                   help="requests share their prompts' K/V blocks in groups of N "
+                        "(e2e.SharedContextCache: the same bytes read, a fraction of the "
+                        "memory); 0 (default): 1, or the smallest of 2-4 that fits where a "
+                        "case's caches do not")
 
 
-def run(quick: bool = False, cases=None, real_prefill: bool = False) -> Results:
+def choose_share(need_of, free: int, forced: int = 0) -> int:
+    """``forced`` if > 0, else the smallest share in 1..MAX_SHARE whose caches (``need_of(share)``
+    bytes) leave HEADROOM of ``free``, else 0 (the case does not fit)."""
+    if forced > 0:
+        return forced
+    return next((k for k in range(1, MAX_SHARE + 1) if need_of(k) + HEADROOM <= free), 0)
+
+
+def run(quick: bool = False, cases=None, real_prefill: bool = False, share: int = 0) -> Results:
     from .e2e import (KV_BLOCK, build_models, install_caches, parse_cases,
                       qwen3_8b_dflash_config, qwen3_8b_target_config, release_caches)
     env = os.environ.get(ENV_CASES, "").strip()
     if env and cases is None:
         cases = parse_cases(env, ENV_CASES)  # a bad value fails before the GPU check
+    if share < 0:
+        raise ValueError(f"policy suite: --share must be >= 0 (0: only where a case does not "
+                         f"fit), got {share}")
     env_ps = os.environ.get(ENV_PS, "").strip()
     ps = parse_ps(env_ps) if env_ps else P_GRID
     if not torch.cuda.is_available():
@@ -487,27 +514,43 @@ def run(quick: bool = False, cases=None, real_prefill: bool = False) -> Results:
                                  for b, s in grid))
     if ps != P_GRID:
         name += "-p" + "-".join(f"{p:g}" for p in ps)
+    if share > 0:  # forced: its own files, beside the run that shares only where it must
+        name += f"-share{share}"
     res = Results(name, floors=measure_floors(), xlabel="p (draft right)")
     dcfg = qwen3_8b_dflash_config()
     target, drafter = build_models(
         qwen3_8b_target_config(), dcfg,
         edit_target=lambda st: counter_target(st, successor_of=dcfg.mask_token_id))
-    for b, s in grid:
-        max_len, blocks = case_cache(b, s)
-        need = sum(2 * c.num_layers * blocks * KV_BLOCK * c.num_kv_heads * c.head_dim * 2
+    def need_of(b, s, k):  # bytes of both caches of case (b, s) at share k
+        blocks = case_cache(b, s, share=k)[1]
+        return sum(2 * c.num_layers * blocks * KV_BLOCK * c.num_kv_heads * c.head_dim * 2
                    for c in (target.cfg, drafter.cfg))
+
+    for b, s in grid:
         release_caches(target, drafter)
         free = torch.cuda.mem_get_info()[0]
-        if need + HEADROOM > free:  # skipped before allocating (B 32 x 32k: ~160 GB of K/V)
-            _say(f"B={b} S={s}: skipped, the caches need {need / 1e9:.0f} GB + "
-                 f"{HEADROOM / 1e9:.0f} GB for the steps, {free / 1e9:.0f} GB free")
-            res.notes.append(f"B={b} S={s} not run: its K/V caches need {need / 1e9:.0f} GB, "
-                             f"{free / 1e9:.0f} GB free")
+        k = choose_share(lambda k: need_of(b, s, k), free, share)
+        if k == 0:  # skipped before allocating
+            need = need_of(b, s, MAX_SHARE)
+            _say(f"B={b} S={s}: skipped, the caches need {need / 1e9:.0f} GB (prompts' "
+                 f"blocks shared by {MAX_SHARE}) + {HEADROOM / 1e9:.0f} GB for the steps, "
+                 f"{free / 1e9:.0f} GB free")
+            res.notes.append(f"B={b} S={s} not run: its K/V caches need {need / 1e9:.0f} GB "
+                             f"(shared by {MAX_SHARE}), {free / 1e9:.0f} GB free")
             continue
+        max_len, blocks = case_cache(b, s, share=k)
+        need = need_of(b, s, k)
+        if k > 1:
+            msg = (f"B={b} S={s}: requests share their prompts' K/V blocks in groups of {k} "
+                   f"(e2e.SharedContextCache, each reading them rotated: the same bytes read, "
+                   f"{need / 1e9:.0f} GB of caches instead of {need_of(b, s, 1) / 1e9:.0f})")
+            _say(msg)
+            res.notes.append(msg)
         try:
             base = torch.cuda.memory_allocated()  # the weights (and what else stays)
             torch.cuda.reset_peak_memory_stats()
-            install_caches(target, drafter, b + 1, blocks, max_len, fill=False)
+            install_caches(target, drafter, b + 1, blocks, max_len, fill=False, share=k,
+                           shared_len=s)
             run_case(res, target, drafter, b, s, ps=ps, real_prefill=real_prefill)
             rest = torch.cuda.max_memory_allocated() - base - need
             _say(f"B={b} S={s}: peak memory {(base + need + rest) / 1e9:.1f} GB = weights "

@@ -39,6 +39,16 @@ class PagedKVCache:
 
     def add_request(self, r: int, max_len: Optional[int] = None) -> None:
         """Give request slot ``r`` blocks for ``max_len`` positions (default: the maximum)."""
+        n = self._blocks_of(r, max_len)
+        if n > len(self._free):
+            raise RuntimeError(f"PagedKVCache.add_request: {n} blocks needed, "
+                               f"{len(self._free)} free")
+        blocks = [self._free.pop() for _ in range(n)]
+        self._owned[r] = blocks
+        self._set_row(r, blocks)
+
+    def _blocks_of(self, r: int, max_len: Optional[int]) -> int:
+        # add_request's checks: slot r free and in the table, max_len within it; its blocks
         if r in self._owned:
             raise ValueError(f"PagedKVCache.add_request: request slot {r} is in use")
         if not 0 <= r < self.block_table.shape[0]:
@@ -48,14 +58,17 @@ class PagedKVCache:
         if n > self.max_blocks:
             raise ValueError(f"PagedKVCache.add_request: max_len {max_len} needs {n} blocks, "
                              f"more than the table's {self.max_blocks}")
-        if n > len(self._free):
-            raise RuntimeError(f"PagedKVCache.add_request: {n} blocks needed, "
-                               f"{len(self._free)} free")
-        blocks = [self._free.pop() for _ in range(n)]
-        self._owned[r] = blocks
+        return n
+
+    def _set_row(self, r: int, blocks: List[int]) -> None:
         row = torch.full((self.max_blocks,), self.num_blocks, dtype=torch.int32)
-        row[:n] = torch.tensor(blocks, dtype=torch.int32)
+        row[:len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         self.block_table[r].copy_(row)
+
+    def blocks_needed(self, lengths: List[int]) -> int:
+        """How many free blocks ``add_request`` would take for slots 0, 1, ... (all free) with
+        ``lengths[i]`` positions each."""
+        return sum(-(-n // self.block_size) for n in lengths)
 
     def in_use(self) -> list:
         """The request slots that hold blocks, sorted."""

@@ -127,7 +127,7 @@ def _check_requests(fn: str, caches, prompts, max_new_tokens: int, vocab: int,
                 raise ValueError(f"{fn}: prompts[{i}]: {len(p)} tokens + max_new_tokens="
                                  f"{max_new_tokens} need {len(p) + extra} positions in the "
                                  f"{name} cache, which allows {room} (max_len)")
-        need = sum(-(-(len(p) + extra) // c.block_size) for p in prompts)
+        need = c.blocks_needed([len(p) + extra for p in prompts])
         if need > c.free_blocks():
             raise ValueError(f"{fn}: prompts: they need {need} blocks of the {name} cache, "
                              f"{c.free_blocks()} are free (num_blocks)")
