@@ -722,41 +722,46 @@ def test_fast_prefill_in_the_loop_keeps_the_tokens():
     assert "forward" not in vars(target)
 
 
-def _shared_cache(share=2, shared_len=40, slots=5, num_blocks=40, max_len=64):
+def _shared_cache(share=2, shared_len=40, slots=5, num_blocks=40, max_len=64, shared_slots=None):
     from dflash_ops.bench.e2e import SharedContextCache
     return SharedContextCache(1, num_blocks, 16, 1, 4, slots, max_len, torch.float32, "cpu",
-                              share=share, shared_len=shared_len)
+                              share=share, shared_len=shared_len, shared_slots=shared_slots)
 
 
 def test_shared_context_cache_tables_and_blocks():
-    """bench.e2e.SharedContextCache: slots r and r + groups share the blocks of the first
-    shared_len // 16 positions (member k reading them rotated by k * 5/16), positions past them
-    take blocks of the slot's own, no block is both shared and owned or owned twice,
-    blocks_needed predicts what add_request takes, and freeing every slot returns every
-    block (a group's shared blocks with its last member)."""
-    c = _shared_cache(share=2, shared_len=100, slots=5, num_blocks=40, max_len=160)
+    """bench.e2e.SharedContextCache: slots r and r + groups (of the first shared_slots) share
+    the blocks of the first shared_len // 16 positions, member k reading them rotated by
+    k * 5/16 (at least k); positions past them, and the slots past shared_slots (the steps'
+    scratch), take blocks of their own; no block is shared and owned, or in two places;
+    blocks_needed predicts what add_request takes; freeing every slot returns every block
+    (a group's shared blocks with its last member)."""
+    c = _shared_cache(share=2, shared_len=100, slots=6, num_blocks=60, max_len=160,
+                      shared_slots=5)
     assert (c.shared, c.groups, c.max_blocks) == (6, 3, 10)
-    assert [c.rotation(r) for r in range(5)] == [0, 0, 0, 1, 1]  # 6 * 5 // 16 = 1
-    lens = [160, 100, 33, 160, 20]
-    # three groups' 6 shared blocks + own blocks past them: 10 - 6, 7 - 6, 0, 10 - 6, 0
-    assert c.blocks_needed(lens) == 3 * 6 + 4 + 1 + 0 + 4 + 0
+    assert [c.rotation(r) for r in range(5)] == [0, 0, 0, 1, 1]  # max(6 * 5 // 16, 1) = 1
+    lens = [160, 100, 33, 160, 20, 40]
+    # three groups' 6 shared blocks + own blocks past them (10 - 6, 7 - 6, 0, 10 - 6, 0) +
+    # the scratch's 3 of its own
+    assert c.blocks_needed(lens) == 3 * 6 + 4 + 1 + 0 + 4 + 0 + 3
     free0 = c.free_blocks()
     for r, n in enumerate(lens):
         c.add_request(r, n)
-    assert free0 - c.free_blocks() == 27
+    assert free0 - c.free_blocks() == 30
     t = c.block_table.tolist()
     head = lambda r, n: t[r][:min(-(-n // 16), 6)]  # noqa: E731
-    # slot 3 is member 1 of group 0: slot 0's shared blocks rotated by one
-    assert head(3, 160) == head(0, 160)[1:] + head(0, 160)[:1]
-    assert head(4, 20) == [head(1, 100)[1], head(1, 100)[2]]  # 2 blocks of group 1, rotated
-    assert head(2, 33) == t[2][:3] and set(head(2, 33)) <= set(c._pool[2])
-    own = [b for r in range(5) for b in c._owned[r]]
-    pooled = [b for p in c._pool.values() for b in p]
-    assert len(set(own)) == len(own) == 9 and not set(own) & set(pooled)
-    assert t[0][6:] == c._owned[0] and t[3][6:] == c._owned[3]
+    pools = [c._pool[g] for g in range(3)]
+    pooled = [b for p in pools for b in p]
+    assert len(set(pooled)) == len(pooled) == 18
+    assert head(0, 160) == pools[0] and head(1, 100) == pools[1]  # member 0: unrotated
+    assert head(2, 33) == pools[2][:3]
+    assert head(3, 160) == pools[0][1:] + pools[0][:1]  # member 1 of group 0: rotated by one
+    assert head(4, 20) == pools[1][1:3]
+    own = [b for r in range(6) for b in c._owned[r]]
+    assert len(set(own)) == len(own) == 12 and not set(own) & set(pooled)
+    assert t[0][6:] == c._owned[0] and t[3][6:] == c._owned[3] and t[1][6:7] == c._owned[1]
+    assert t[5][:3] == c._owned[5] and len(c._owned[5]) == 3  # the scratch: its own only
     assert all(b == c.num_blocks for b in t[2][3:])  # past its blocks: the table's sentinel
-    # the slot mapping follows the table
-    slots = c.slots(torch.tensor([3, 3]), torch.tensor([0, 17]))
+    slots = c.slots(torch.tensor([3, 3]), torch.tensor([0, 17]))  # the mapping follows
     assert slots.tolist() == [t[3][0] * 16, t[3][1] * 16 + 1]
     with pytest.raises(ValueError, match="request slot 3 is in use"):
         c.add_request(3, 16)
@@ -764,36 +769,42 @@ def test_shared_context_cache_tables_and_blocks():
     assert 0 in c._pool  # slot 3 still holds group 0's blocks
     c.free_request(3)
     assert 0 not in c._pool
-    for r in (1, 2, 4):
+    for r in (1, 2, 4, 5):
         c.free_request(r)
     assert c.free_blocks() == free0 and not c._pool and not c._members
     assert (c.block_table == c.num_blocks).all()
+    c.add_request(3, 160)  # re-added first: its group's blocks again, rotated as before
+    assert c.block_table[3, :6].tolist() == c._pool[0][1:] + c._pool[0][:1]
 
 
 def test_shared_context_cache_sizes_and_errors():
     from dflash_ops.bench.e2e import SharedContextCache
-    # 5 slots of 160 positions, 100 shared in pairs: 3 groups x 6 + 5 x 4 own
+    # 5 slots of 160 positions, 100 shared in pairs: 3 groups x 6 + 5 x 4 own (+ 40 positions
+    # of a scratch: 3 blocks)
     assert SharedContextCache.num_blocks_for(5, 160, 16, 2, 100) == 38
+    assert SharedContextCache.num_blocks_for(5, 160, 16, 2, 100, extra_len=40) == 41
     assert SharedContextCache.num_blocks_for(5, 160, 16, 1, 100) == 50  # PagedKVCache's
-    c = _shared_cache(share=2, shared_len=100, slots=5, num_blocks=10, max_len=160)
-    c.add_request(0, 160)  # 6 shared + 4 own: all 10
-    with pytest.raises(RuntimeError, match="10 blocks needed, 0 free"):
+    c = _shared_cache(share=2, shared_len=100, slots=5, num_blocks=18, max_len=160)
+    c.add_request(0, 160)  # 6 shared + 4 own: 8 left
+    with pytest.raises(RuntimeError, match="10 blocks needed, 8 free"):
         c.add_request(1, 160)  # group 1's 6 + its own 4
-    with pytest.raises(RuntimeError, match="4 blocks needed, 0 free"):
-        c.add_request(3, 160)  # group 0's blocks are there: its own 4 only
-    assert c._owned.keys() == {0} and c._members == {0: {0}}  # nothing half-taken
-    with pytest.raises(ValueError, match="share must be >= 1, got 0"):
-        _shared_cache(share=0)
-    with pytest.raises(ValueError, match="shared_len must be >= 0, got -1"):
-        _shared_cache(shared_len=-1)
+    assert c._owned.keys() == {0} and c._members == {0: {0}} and c.free_blocks() == 8
+    c.add_request(3, 160)  # group 0's blocks are there: its own 4 only
+    assert c.free_blocks() == 4
+    for kw, msg in ((dict(share=0), "share must be >= 1, got 0"),
+                    (dict(shared_len=-1), "shared_len must be >= 0, got -1"),
+                    (dict(shared_slots=6), r"shared_slots must be in \[0, 5\] \(max_requests\), "
+                                           "got 6")):
+        with pytest.raises(ValueError, match=msg):
+            _shared_cache(**kw)
 
 
 def test_shared_context_cache_in_the_loop_keeps_the_tokens():
-    """speculative_generate (policy on and off) and plain_greedy under fast_prefill, on a
-    counter target and drafter whose caches share the prompts' blocks in pairs (bench.policy's
-    cases that do not fit), run where caches of their own would not fit (the loop's block check
-    counts the shared blocks once), commit the tokens of a real prefill and give every block
-    back."""
+    """speculative_generate (static steps with their scratch slot, policy on and off) and
+    plain_greedy under fast_prefill, on a counter target and drafter whose caches share the
+    prompts' blocks in pairs as bench.policy's cases that do not fit (the scratch with blocks
+    of its own), run where caches of their own would not fit (the loop's block check counts
+    the shared blocks once), commit the tokens of a real prefill and give every block back."""
     from dflash_ops.bench.e2e import SharedContextCache
     from dflash_ops.bench.policy import counter_target, fast_prefill
     from dflash_ops.models.cache import PagedKVCache
@@ -806,8 +817,7 @@ def test_shared_context_cache_in_the_loop_keeps_the_tokens():
     prompts = [torch.randint(0, 60, (160,), generator=g).tolist() for _ in range(4)]
     want = [[(p[-1] + 1 + i) % 60 for i in range(40)] for p in prompts]
     max_len = 160 + 40 + 2 * 16 + 8
-    blocks = SharedContextCache.num_blocks_for(5, max_len, 16, 2, 160)
-    assert blocks < 5 * max_len // 16  # fewer than caches of their own would need
+    blocks = SharedContextCache.num_blocks_for(4, max_len, 16, 2, 160, extra_len=32)
     cache = dict(dtype=torch.float32, device="cpu", max_requests=5, max_len=max_len,
                  num_blocks=blocks)
     target = Target(TargetConfig.from_hf(tc), ts, block_size=16, **cache)
@@ -816,31 +826,55 @@ def test_shared_context_cache_in_the_loop_keeps_the_tokens():
     for m in (target, drafter):
         c = m.cache
         m.cache = SharedContextCache(len(c.k), blocks, 16, c.k[0].shape[2], c.k[0].shape[3],
-                                     5, max_len, torch.float32, "cpu", share=2, shared_len=160)
+                                     5, max_len, torch.float32, "cpu", share=2,
+                                     shared_len=160, shared_slots=4)
     # blocks of their own for the loop's 4 requests would not fit
-    cap = 160 + 40 + 16 + 1
+    cap = 160 + 40 + drafter.cfg.block_size + 1
     assert PagedKVCache.blocks_needed(target.cache, [cap] * 4) > blocks
     assert target.cache.blocks_needed([cap] * 4) <= blocks
-    with fast_prefill(target):
-        assert plain_greedy(target, prompts, 40) == want
-        for policy in (False, True):
-            out, st = speculative_generate(target, drafter, prompts, 40, policy=policy)
-            assert out == want
+    seen = []
+    add = SharedContextCache.add_request
+
+    def spy(self, r, max_len=None):
+        add(self, r, max_len)
+        seen.append((r, self.block_table[r, 0].item()))
+
+    SharedContextCache.add_request = spy
+    try:
+        with fast_prefill(target):
+            assert plain_greedy(target, prompts, 40) == want
+            for policy in (False, True):
+                out, st = speculative_generate(target, drafter, prompts, 40, policy=policy,
+                                               steps="static")
+                assert out == want
+    finally:
+        SharedContextCache.add_request = add
+    assert 4 in {r for r, _ in seen}  # the steps' scratch slot was taken (and given back)
     for m in (target, drafter):
         assert m.cache.free_blocks() == blocks and not m.cache._pool
 
 
 def test_bench_policy_choose_share():
-    """bench.policy.choose_share: the smallest share whose caches leave HEADROOM free (1 where
-    they fit as they are), the forced one whatever it needs, 0 where even MAX_SHARE does not
-    fit; with 32 x 32k's sizes on an H200 (~120 GB free beside the weights) that is pairs."""
+    """bench.policy.choose_share on B 32 x 32k's caches (case_cache, the bench's Qwen3-8B
+    target and drafter): pairs on an H200 (~120 GB free beside the weights), fours on an 80 GB
+    H100 (~60 GB free), blocks of their own where they fit, 0 where even fours do not, a
+    forced share only if it fits."""
     from dflash_ops.bench import policy as bp
+    from dflash_ops.bench.e2e import KV_BLOCK, qwen3_8b_dflash_config, qwen3_8b_target_config
+    cfgs = (qwen3_8b_target_config(), qwen3_8b_dflash_config())
+
+    def need(k):
+        blocks = bp.case_cache(32, 32768, share=k)[1]
+        return sum(2 * c.num_layers * blocks * KV_BLOCK * c.num_kv_heads * c.head_dim * 2
+                   for c in cfgs)
+
     gb = 10 ** 9
-    need = {1: 182.6 * gb, 2: 94.5 * gb, 3: 61.5 * gb, 4: 47.8 * gb}.__getitem__
+    assert [round(need(k) / gb) for k in (1, 2, 4)] == [177, 89, 45]
     assert bp.choose_share(need, 120 * gb) == 2
-    assert bp.choose_share(need, 60 * gb) == 4  # an H100
+    assert bp.choose_share(need, 60 * gb) == 4
     assert bp.choose_share(need, 200 * gb) == 1
     assert bp.choose_share(need, 40 * gb) == 0
-    assert bp.choose_share(need, 40 * gb, forced=3) == 3
-    assert bp.choose_share(need, 94.5 * gb + bp.HEADROOM) == 2
-    assert bp.choose_share(need, 94.5 * gb + bp.HEADROOM - 1) == 3
+    assert bp.choose_share(need, 120 * gb, forced=3) == 3
+    assert bp.choose_share(need, 60 * gb, forced=2) == 0
+    assert bp.choose_share(need, need(2) + bp.HEADROOM) == 2
+    assert bp.choose_share(need, need(2) + bp.HEADROOM - 1) == 3

@@ -202,12 +202,13 @@ def build_models(tcfg, dcfg, seed: int = 0, device="cuda", dtype=torch.bfloat16,
 
 
 def install_caches(target, drafter, slots: int, num_blocks: int, max_len: int,
-                   fill: bool = True, share: int = 1, shared_len: int = 0) -> None:
+                   fill: bool = True, share: int = 1, shared_len: int = 0,
+                   shared_slots=None) -> None:
     """Give both models a fresh paged cache: ``slots`` request slots, ``num_blocks`` blocks of
     KV_BLOCK rows, block tables for ``max_len`` positions; ``fill``: every row randn (the K/V a
     prefill would have left: attention reads them, and never zeros). ``share`` > 1: a
-    ``SharedContextCache`` whose slots share their first ``shared_len`` positions' blocks in
-    groups of ``share``."""
+    ``SharedContextCache`` whose first ``shared_slots`` slots (default all) share their first
+    ``shared_len`` positions' blocks in groups of ``share``."""
     for model, cfg in ((target, target.cfg), (drafter, drafter.cfg)):
         model.cache = None
         gc.collect()
@@ -215,7 +216,8 @@ def install_caches(target, drafter, slots: int, num_blocks: int, max_len: int,
         args = (cfg.num_layers, num_blocks, KV_BLOCK, cfg.num_kv_heads, cfg.head_dim, slots,
                 max_len, model.dtype, model.device)
         model.cache = (PagedKVCache(*args) if share == 1 else
-                       SharedContextCache(*args, share=share, shared_len=shared_len))
+                       SharedContextCache(*args, share=share, shared_len=shared_len,
+                                          shared_slots=shared_slots))
         if fill:
             for t in model.cache.k + model.cache.v:
                 t.normal_()
@@ -226,74 +228,98 @@ def release_caches(target, drafter) -> None:
 
 
 class SharedContextCache(PagedKVCache):
-    """A benchmark's paged cache for batches whose K/V does not fit the device: request
-    slots share the blocks of their first ``shared_len`` positions (whole blocks) in
-    groups of ``share`` (slot r in group r % groups), and positions past them take the
-    slot's own blocks, as in ``PagedKVCache``. Member k of a group (k = r // groups) reads
-    the group's blocks rotated by k * 5/16 of them, so that members streaming their keys
-    at the same time read blocks ~5/16 of the context apart: none meets a block another
-    member just brought into L2, at 1-8 key splits a request (a block table a real batch
-    could have). Every kernel reads the same bytes as with its own blocks and its time
-    depends on the lengths, not the values; but members overwrite each other's K/V there,
-    so it is only for benchmarks whose tokens do not depend on the context
+    """A benchmark's paged cache for batches whose K/V does not fit the device: the first
+    ``shared_slots`` request slots (default all) share the blocks of their first
+    ``shared_len`` positions (whole blocks) in groups of ``share`` (slot r in group
+    r % groups); positions past them, and every position of the other slots (the steps'
+    scratch), take blocks of the slot's own, as in ``PagedKVCache``. Member k of a group
+    (k = r // groups) reads the group's blocks rotated by k * 5/16 of them (at least k), so
+    that members streaming their keys at once read blocks far apart. Checked where it is used
+    (``bench.policy`` at B 32 x 32k: the Hopper attention splits the keys of 32 x 8 (request,
+    head) pairs once, the fallbacks twice): the nearest concurrent reads of one block are
+    1/16 of the context apart (2048 positions, ~270 MB streamed between them at share 4; 5/16
+    at share 2), so none hits in L2 where its own blocks would not. At more splits (few
+    requests, short contexts) members can meet: an offset of 5/16 is a split boundary at 16
+    splits, 10/16 one at 8. Every kernel reads the bytes it reads with blocks of its own and
+    its time depends on the lengths, not the values; but members overwrite each other's K/V,
+    so this is only for benchmarks whose tokens do not depend on the context
     (``bench.policy``: ``fast_prefill`` on the ``counter_target``)."""
 
-    def __init__(self, *args, share: int, shared_len: int):
-        super().__init__(*args)
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, max_requests: int, max_len: int, dtype: torch.dtype,
+                 device=None, *, share: int, shared_len: int, shared_slots=None):
         if share < 1:
             raise ValueError(f"SharedContextCache: share must be >= 1, got {share}")
         if shared_len < 0:
             raise ValueError(f"SharedContextCache: shared_len must be >= 0, got "
                              f"{shared_len}")
+        shared_slots = max_requests if shared_slots is None else shared_slots
+        if not 0 <= shared_slots <= max_requests:
+            raise ValueError(f"SharedContextCache: shared_slots must be in [0, "
+                             f"{max_requests}] (max_requests), got {shared_slots}")
+        super().__init__(num_layers, num_blocks, block_size, num_kv_heads, head_dim,
+                         max_requests, max_len, dtype, device)
         self.share = share
-        self.shared = min(shared_len // self.block_size, self.max_blocks)
-        self.groups = -(-self.block_table.shape[0] // share)
+        self.shared = min(shared_len // block_size, self.max_blocks)
+        self.shared_slots = shared_slots
+        self.groups = max(1, -(-shared_slots // share))
         self._pool: dict = {}  # group -> its shared blocks
         self._members: dict = {}  # group -> the slots holding them
 
     @staticmethod
     def num_blocks_for(slots: int, max_len: int, block_size: int, share: int,
-                       shared_len: int) -> int:
-        """Blocks for ``slots`` requests of ``max_len`` positions at once."""
+                       shared_len: int, extra_len: int = 0) -> int:
+        """Blocks for ``slots`` sharing requests of ``max_len`` positions at once, plus
+        ``extra_len`` positions of a slot of its own."""
         per = -(-max_len // block_size)
         sh = min(shared_len // block_size, per)
-        return -(-slots // share) * sh + slots * (per - sh)
+        return -(-slots // share) * sh + slots * (per - sh) + -(-extra_len // block_size)
 
     def rotation(self, r: int) -> int:
-        return (r // self.groups) * self.shared * 5 // 16 % max(self.shared, 1)
+        k = r // self.groups
+        return max(k * self.shared * 5 // 16, k) % max(self.shared, 1)
+
+    def _head(self, r: int, n: int) -> int:  # how many of r's n blocks are its group's
+        return min(n, self.shared) if r < self.shared_slots else 0
 
     def add_request(self, r: int, max_len=None) -> None:
         n = self._blocks_of(r, max_len)
-        g, head = r % self.groups, min(n, self.shared)
-        take = n - head + (0 if g in self._pool else self.shared)
+        g, head = r % self.groups, self._head(r, n)
+        new_group = head > 0 and g not in self._pool
+        take = n - head + (self.shared if new_group else 0)
         if take > len(self._free):
             raise RuntimeError(f"SharedContextCache.add_request: {take} blocks needed, "
                                f"{len(self._free)} free")
-        if g not in self._pool:
+        if new_group:
             self._pool[g] = [self._free.pop() for _ in range(self.shared)]
             self._members[g] = set()
-        pool, off = self._pool[g], self.rotation(r)
         own = [self._free.pop() for _ in range(n - head)]
         self._owned[r] = own
-        self._members[g].add(r)
-        self._set_row(r, [pool[(j + off) % self.shared] for j in range(head)] + own)
+        row = own
+        if head:
+            pool, off = self._pool[g], self.rotation(r)
+            self._members[g].add(r)
+            row = [pool[(j + off) % self.shared] for j in range(head)] + own
+        self._set_row(r, row)
 
     def free_request(self, r: int) -> None:
         self._free.extend(reversed(self._owned.pop(r)))
         g = r % self.groups
-        self._members[g].discard(r)
-        if not self._members[g]:
-            self._free.extend(reversed(self._pool.pop(g)))
-            del self._members[g]
+        if r in self._members.get(g, ()):
+            self._members[g].discard(r)
+            if not self._members[g]:
+                self._free.extend(reversed(self._pool.pop(g)))
+                del self._members[g]
         self.block_table[r].fill_(self.num_blocks)
 
     def blocks_needed(self, lengths) -> int:
         need, new = 0, set()
         for r, n in enumerate(lengths):
             b = -(-n // self.block_size)
-            need += b - min(b, self.shared)
+            head = self._head(r, b)
+            need += b - head
             g = r % self.groups
-            if g not in self._pool and g not in new:
+            if head and g not in self._pool and g not in new:
                 new.add(g)
                 need += self.shared
         return need

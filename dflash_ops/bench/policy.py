@@ -35,8 +35,8 @@ not fit in memory runs with its requests sharing their prompts' K/V blocks in pa
 ``MAX_SHARE``; ``--share N`` forces N): ``e2e.SharedContextCache``, each member reading the
 blocks rotated, so every kernel reads the bytes it would read with its own blocks (the values
 do not matter here: ``fast_prefill`` on the counter target); the notes say so. B 32 x 32k
-needs it on a 141 GB H200 (183 GB of K/V with a block set a request, 94 GB in pairs). A case
-that does not fit even so is skipped with a line saying so. ``DFLASH_OPS_BENCH_POLICY_TRACE=PATH`` appends
+needs it on a 141 GB H200 (177 GB of K/V with blocks of their own, 89 GB in pairs; an 80 GB
+H100: 45 GB in fours). A case that does not fit even so is skipped with a line saying so. ``DFLASH_OPS_BENCH_POLICY_TRACE=PATH`` appends
 every choice of the timed policy runs to PATH (JSON lines: ``_traced``);
 ``DFLASH_OPS_BENCH_POLICY_PS`` (e.g. ``0,0.2``) runs only those p. A run of chosen cases or p
 writes ``policy-<cases>[-p<ps>].{md,json,png}``. The whole grid does not fit one device call
@@ -257,12 +257,13 @@ def plain_rates(target, prompts, n_new: int, repeats: int = REPEATS) -> tuple:
 
 def case_cache(batch: int, context: int, n_new: int = NEW_TOKENS, share: int = 1) -> tuple:
     """(max_len, num_blocks) of a case's caches: room for the prompt, the new tokens and two
-    blocks of 16 a request, for ``batch`` requests and the steps' scratch slot; ``share`` > 1:
-    the prompts' blocks shared in groups of ``share`` (``e2e.SharedContextCache``)."""
+    blocks of 16 a request, for ``batch`` requests, and SCRATCH_LEN positions for the steps'
+    scratch slot (slot ``batch``); ``share`` > 1: the requests' prompt blocks shared in groups
+    of ``share`` (``e2e.SharedContextCache``)."""
     from .e2e import KV_BLOCK, SharedContextCache, round_up
     max_len = round_up(context + n_new + 2 * 16 + 2, KV_BLOCK)
-    return max_len, SharedContextCache.num_blocks_for(batch + 1, max_len, KV_BLOCK, share,
-                                                      context)
+    return max_len, SharedContextCache.num_blocks_for(batch, max_len, KV_BLOCK, share, context,
+                                                      extra_len=SCRATCH_LEN)
 
 
 def run_case(res: Results, target, drafter, batch: int, context: int, ps=P_GRID,
@@ -457,9 +458,10 @@ HEADROOM = 4 << 30
 ENV_CASES = "DFLASH_OPS_BENCH_POLICY_CASES"  # e.g. "32x1k,8x32k": replaces the cases
 ENV_PS = "DFLASH_OPS_BENCH_POLICY_PS"  # e.g. "0,0.2": a part of P_GRID (a case's part a call)
 # a case whose caches do not fit shares its prompts' blocks in groups of up to this many
-# requests (``--share``): 32 x 32k's K/V is 183 GB with its own blocks a request (target 155
-# + drafter 21 + the steps' slot), 94 GB in pairs
+# requests (``--share``): 32 x 32k's K/V (target + drafter) is 177 GB with blocks of their own,
+# 89 GB in pairs, 45 GB in fours
 MAX_SHARE = 4
+SCRATCH_LEN = 2 * 16  # the steps' scratch slot: a block of the largest draft (16), twice
 
 
 def parse_ps(text: str) -> tuple:
@@ -479,18 +481,19 @@ def add_options(p) -> None:
                         "the last token's, see fast_prefill; tokens a second exclude the "
                         "prefill either way)")
     p.add_argument("--share", type=int, default=0, metavar="N",
-                   help="requests share their prompts' K/V blocks in groups of N "
-                        "(e2e.SharedContextCache: the same bytes read, a fraction of the "
-                        "memory); 0 (default): 1, or the smallest of 2-4 that fits where a "
-                        "case's caches do not")
+                   help=f"requests share their prompts' K/V blocks in groups of N (1 to "
+                        f"{MAX_SHARE}; e2e.SharedContextCache: the same bytes read, a fraction "
+                        f"of the memory; meant for long contexts at batch >= 8, where the "
+                        f"attention splits the keys at most twice); 0 (default): the smallest "
+                        f"that fits. A forced N writes its own files (-shareN): a check "
+                        f"against a run with blocks of their own, not a part of the grid")
 
 
 def choose_share(need_of, free: int, forced: int = 0) -> int:
-    """``forced`` if > 0, else the smallest share in 1..MAX_SHARE whose caches (``need_of(share)``
-    bytes) leave HEADROOM of ``free``, else 0 (the case does not fit)."""
-    if forced > 0:
-        return forced
-    return next((k for k in range(1, MAX_SHARE + 1) if need_of(k) + HEADROOM <= free), 0)
+    """The smallest share in 1..MAX_SHARE (only ``forced`` if > 0) whose caches
+    (``need_of(share)`` bytes) leave HEADROOM of ``free``, else 0 (the case does not fit)."""
+    return next((k for k in ((forced,) if forced > 0 else range(1, MAX_SHARE + 1))
+                 if need_of(k) + HEADROOM <= free), 0)
 
 
 def run(quick: bool = False, cases=None, real_prefill: bool = False, share: int = 0) -> Results:
@@ -499,9 +502,9 @@ def run(quick: bool = False, cases=None, real_prefill: bool = False, share: int 
     env = os.environ.get(ENV_CASES, "").strip()
     if env and cases is None:
         cases = parse_cases(env, ENV_CASES)  # a bad value fails before the GPU check
-    if share < 0:
-        raise ValueError(f"policy suite: --share must be >= 0 (0: only where a case does not "
-                         f"fit), got {share}")
+    if not 0 <= share <= MAX_SHARE:
+        raise ValueError(f"policy suite: --share must be in [0, {MAX_SHARE}] (0: the smallest "
+                         f"that fits), got {share}")
     env_ps = os.environ.get(ENV_PS, "").strip()
     ps = parse_ps(env_ps) if env_ps else P_GRID
     if not torch.cuda.is_available():
@@ -531,26 +534,28 @@ def run(quick: bool = False, cases=None, real_prefill: bool = False, share: int 
         free = torch.cuda.mem_get_info()[0]
         k = choose_share(lambda k: need_of(b, s, k), free, share)
         if k == 0:  # skipped before allocating
-            need = need_of(b, s, MAX_SHARE)
+            most = share or MAX_SHARE
+            need = need_of(b, s, most)
             _say(f"B={b} S={s}: skipped, the caches need {need / 1e9:.0f} GB (prompts' "
-                 f"blocks shared by {MAX_SHARE}) + {HEADROOM / 1e9:.0f} GB for the steps, "
+                 f"blocks shared by {most}) + {HEADROOM / 1e9:.0f} GB for the steps, "
                  f"{free / 1e9:.0f} GB free")
             res.notes.append(f"B={b} S={s} not run: its K/V caches need {need / 1e9:.0f} GB "
-                             f"(shared by {MAX_SHARE}), {free / 1e9:.0f} GB free")
+                             f"(shared by {most}), {free / 1e9:.0f} GB free")
             continue
         max_len, blocks = case_cache(b, s, share=k)
         need = need_of(b, s, k)
-        if k > 1:
-            msg = (f"B={b} S={s}: requests share their prompts' K/V blocks in groups of {k} "
-                   f"(e2e.SharedContextCache, each reading them rotated: the same bytes read, "
-                   f"{need / 1e9:.0f} GB of caches instead of {need_of(b, s, 1) / 1e9:.0f})")
-            _say(msg)
-            res.notes.append(msg)
         try:
             base = torch.cuda.memory_allocated()  # the weights (and what else stays)
             torch.cuda.reset_peak_memory_stats()
             install_caches(target, drafter, b + 1, blocks, max_len, fill=False, share=k,
-                           shared_len=s)
+                           shared_len=s, shared_slots=b)
+            if k > 1:
+                msg = (f"B={b} S={s}: requests share their prompts' K/V blocks in groups of "
+                       f"{k} (e2e.SharedContextCache, each reading them rotated: the same "
+                       f"bytes read, {need / 1e9:.0f} GB of caches instead of "
+                       f"{need_of(b, s, 1) / 1e9:.0f})")
+                _say(msg)
+                res.notes.append(msg)
             run_case(res, target, drafter, b, s, ps=ps, real_prefill=real_prefill)
             rest = torch.cuda.max_memory_allocated() - base - need
             _say(f"B={b} S={s}: peak memory {(base + need + rest) / 1e9:.1f} GB = weights "
