@@ -18,7 +18,9 @@
 #            forbids (all four failed that way on 2026-12-01; the kernels they replay are
 #            the ones the other tests run; any test with "graph" in its name is left out);
 #            SAN_K narrows the tests further (it is and-ed with that: session 33's SAN_K
-#            replaced it and seven graph tests failed under the sanitizer)
+#            replaced it and seven graph tests failed under the sanitizer); SAN_CACHING=1
+#            keeps the caching allocator (tests that capture a graph inside, such as
+#            test_models_linear's GPU tests; memcheck then sees accesses outside the pool only)
 #   vllm:    real vLLM (carry the bundle: cp ../shared/vllm/* .vllm/) with the plugin:
 #            benchmarks/vllm_check.py caches for each VLLM_COMBOS entry
 #            (runner:eager|graphs[:draft backend, TRITON_ATTN or CUSTOM]),
@@ -155,7 +157,8 @@ if [ "$what" = sanitize ]; then
     skip=(--kernel-name-exclude kns=nvjet)
   for tool in ${SAN_TOOLS:-memcheck racecheck}; do
     ex=(); [ "$tool" = racecheck ] && ex=("${skip[@]}")
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_TIMEOUT:-280} compute-sanitizer --tool "$tool" \
+    nc=(PYTORCH_NO_CUDA_MEMORY_CACHING=1); [ "${SAN_CACHING:-0}" = 1 ] && nc=()  # any value: off
+    env "${nc[@]}" timeout ${SAN_TIMEOUT:-280} compute-sanitizer --tool "$tool" \
       "${ex[@]}" --error-exitcode 3 --print-limit 20 python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
       -k "${SAN_K:+($SAN_K) and }not graph" ${SAN_FILES:-tests/test_hostile_inputs.py tests/test_out_of_range_inputs.py \
       tests/test_conv_kernels.py tests/test_select_kernels.py} >"$OUT/sanitize_$tool.log" 2>&1
