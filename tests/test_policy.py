@@ -763,7 +763,7 @@ def test_shared_context_cache_tables_and_blocks():
     assert all(b == c.num_blocks for b in t[2][3:])  # past its blocks: the table's sentinel
     slots = c.slots(torch.tensor([3, 3]), torch.tensor([0, 17]))  # the mapping follows
     assert slots.tolist() == [t[3][0] * 16, t[3][1] * 16 + 1]
-    with pytest.raises(ValueError, match="request slot 3 is in use"):
+    with pytest.raises(ValueError, match="SharedContextCache.add_request: request slot 3 is in use"):
         c.add_request(3, 16)
     c.free_request(0)
     assert 0 in c._pool  # slot 3 still holds group 0's blocks

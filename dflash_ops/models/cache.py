@@ -49,14 +49,15 @@ class PagedKVCache:
 
     def _blocks_of(self, r: int, max_len: Optional[int]) -> int:
         # add_request's checks: slot r free and in the table, max_len within it; its blocks
+        fn = f"{type(self).__name__}.add_request"
         if r in self._owned:
-            raise ValueError(f"PagedKVCache.add_request: request slot {r} is in use")
+            raise ValueError(f"{fn}: request slot {r} is in use")
         if not 0 <= r < self.block_table.shape[0]:
-            raise ValueError(f"PagedKVCache.add_request: request slot {r} outside "
+            raise ValueError(f"{fn}: request slot {r} outside "
                              f"[0, {self.block_table.shape[0]})")
         n = self.max_blocks if max_len is None else -(-max_len // self.block_size)
         if n > self.max_blocks:
-            raise ValueError(f"PagedKVCache.add_request: max_len {max_len} needs {n} blocks, "
+            raise ValueError(f"{fn}: max_len {max_len} needs {n} blocks, "
                              f"more than the table's {self.max_blocks}")
         return n
 
