@@ -1,0 +1,143 @@
+"""DFlash 2's kernel projection (x[8, 5120] @ w[1280, 5120]^T, bf16) launched back to back
+inside one CUDA graph, each launch on its own copy of the weight (NW copies, more bytes than
+L2 holds, so every launch streams its weight from HBM as in the draft step), for issue 16:
+how far is the split-K GEMM from a kernel that only reads the same 13.1 MB?
+
+Rows: a read-only Triton kernel over the weight (programs x chunk, a sum a program: the
+bytes a GEMM must read, nothing else), cuBLAS (F.linear), the model's table config and
+split-K / stage variants of ``launch_proj``. Each GEMM row is checked against F.linear in
+fp32 before it is timed. us a launch = graph replay time / NW (median of REPS replays).
+
+    python benchmarks/proj_probe.py [--m 8] [--nw 12] [--reps 50]
+"""
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+if importlib.util.find_spec("dflash_ops") is None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+N, H = 1280, 5120
+
+# (name, ProjCfg fields): bm, bn, bk, gm, warps, stages, tma, persistent, split, serial
+VARIANTS = [
+    ("table: bn32 split4 st4", (16, 32, 128, 8, 4, 4, True, False, 4, False)),
+    ("bn32 split4 st6", (16, 32, 128, 8, 4, 6, True, False, 4, False)),
+    ("bn32 split3 st4 (120 progs)", (16, 32, 128, 8, 4, 4, True, False, 3, False)),
+    ("bn32 split3 st8", (16, 32, 128, 8, 4, 8, True, False, 3, False)),
+    ("bn16 split8 st4 (640)", (16, 16, 128, 8, 4, 4, True, False, 8, False)),
+    ("bn16 split5 st4 (400)", (16, 16, 128, 8, 4, 4, True, False, 5, False)),
+    ("bn64 split6 st4 (120)", (16, 64, 128, 8, 4, 4, True, False, 6, False)),
+    ("bn64 split13 st3 (260)", (16, 64, 128, 8, 4, 3, True, False, 13, False)),
+    ("bn32 split10 bk64 st4 (400)", (16, 32, 64, 8, 4, 4, True, False, 10, False)),
+    ("bn32 split4 bk64 st8", (16, 32, 64, 8, 4, 8, True, False, 4, False)),
+]
+
+
+@triton.jit
+def _read_kernel(w_ptr, out_ptr, n_elem, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    # program p sums w[p * CHUNK : (p + 1) * CHUNK] (flat): reads the bytes, writes one float
+    p = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    base = p.to(tl.int64) * CHUNK
+    for i in range(0, CHUNK, BLOCK):
+        idx = base + i + offs
+        acc += tl.load(w_ptr + idx, mask=idx < n_elem, other=0.0).to(tl.float32)
+    tl.store(out_ptr + p, tl.sum(acc, 0))
+
+
+def _graph_us(fn, nw, reps):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(nw):  # warm-up: compiles, autotunes, allocates
+            fn(i)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(nw):
+            fn(i)
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1000 / nw)
+    ts.sort()
+    return ts[len(ts) // 2], ts[0]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--m", type=int, default=8)
+    ap.add_argument("--nw", type=int, default=12)
+    ap.add_argument("--reps", type=int, default=50)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("proj_probe: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from dflash_ops.bench.harness import measure_floors
+    from dflash_ops.triton.context import ProjCfg, launch_proj
+
+    fl = measure_floors()
+    bw = fl["copy_GBps"]
+    torch.manual_seed(0)
+    ws = [torch.randn(N, H, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(a.nw)]
+    x = torch.randn(a.m, H, dtype=torch.bfloat16, device="cuda")
+    outs = [torch.empty(a.m, N, dtype=torch.bfloat16, device="cuda") for _ in range(a.nw)]
+    ref = F.linear(x.float(), ws[0].float())
+    wbytes = N * H * 2
+    print(f"{torch.cuda.get_device_name()}  M {a.m}  N {N}  K {H}  weight {wbytes / 1e6:.1f} MB"
+          f"  copies {a.nw}  copy {bw:.0f} GB/s")
+    rows = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for progs in (sms, 2 * sms, 4 * sms):
+        chunk = triton.cdiv(N * H, progs)
+        chunk = triton.cdiv(chunk, 4096) * 4096
+        red = torch.empty(progs, dtype=torch.float32, device="cuda")
+        med, lo = _graph_us(lambda i: _read_kernel[(triton.cdiv(N * H, chunk),)](
+            ws[i], red, N * H, CHUNK=chunk, BLOCK=4096, num_warps=8), a.nw, a.reps)
+        rows.append((f"read only, {progs} programs", med, lo, "-"))
+    med, lo = _graph_us(lambda i: torch.mm(x, ws[i].t(), out=outs[i]), a.nw, a.reps)
+    err = (outs[0].float() - ref).abs().max().item()
+    rows.append(("cuBLAS (x @ w^T)", med, lo, f"{err:.3g}"))
+    for name, f in VARIANTS:
+        cfg = ProjCfg(*f)
+        try:
+            launch_proj(x, ws[0], None, outs[0], cfg)
+            torch.cuda.synchronize()
+            err = (outs[0].float() - ref).abs().max().item()
+            if not err < 0.05:
+                rows.append((name, float("nan"), float("nan"), f"WRONG {err:.3g}"))
+                continue
+            med, lo = _graph_us(lambda i, c=cfg: launch_proj(x, ws[i], None, outs[i], c), a.nw,
+                                a.reps)
+            rows.append((name, med, lo, f"{err:.3g}"))
+        except Exception as e:  # noqa: BLE001 - a config the compiler rejects is a row too
+            rows.append((name, float("nan"), float("nan"), f"failed: {type(e).__name__}: {e}"[:90]))
+    base = rows[0][1]
+    print("| kernel | us a launch (median) | min | vs read-only | GB/s | max err |")
+    print("|---|---|---|---|---|---|")
+    for name, med, lo, err in rows:
+        print(f"| {name} | {med:.2f} | {lo:.2f} | {med / base:.2f}x | {wbytes / med / 1e3:.0f} |"
+              f" {err} |")
+    if True:
+        print(f"floor (bytes / copy bandwidth {bw:.0f} GB/s): {wbytes / bw / 1e3:.2f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
