@@ -8,10 +8,16 @@ bytes a GEMM must read, nothing else), cuBLAS (F.linear), the model's table conf
 split-K / stage variants of ``launch_proj``. Each GEMM row is checked against F.linear in
 fp32 before it is timed. us a launch = graph replay time / NW (median of REPS replays).
 
-    python benchmarks/proj_probe.py [--m 8] [--nw 12] [--reps 50]
+    python benchmarks/proj_probe.py [--m 8] [--nw 12] [--reps 50] [--write-table PATH]
+
+--write-table PATH: a copy of models/linear_table.json whose (1280, 5120, M) entry holds the
+fastest variant, written only where it beats the table's config by >= 0.5 us a launch (for
+an A/B of the whole step with gpu_check.sh compare on a tree carrying that table).
 """
 import argparse
 import importlib.util
+import json
+import math
 import sys
 from pathlib import Path
 
@@ -85,6 +91,7 @@ def main() -> int:
     ap.add_argument("--m", type=int, default=8)
     ap.add_argument("--nw", type=int, default=12)
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--write-table", metavar="PATH", default=None)
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("proj_probe: needs a CUDA GPU", file=sys.stderr)
@@ -128,15 +135,39 @@ def main() -> int:
             rows.append((name, med, lo, f"{err:.3g}"))
         except Exception as e:  # noqa: BLE001 - a config the compiler rejects is a row too
             rows.append((name, float("nan"), float("nan"), f"failed: {type(e).__name__}: {e}"[:90]))
-    base = rows[0][1]
+    base = min(r[1] for r in rows[:3])
     print("| kernel | us a launch (median) | min | vs read-only | GB/s | max err |")
     print("|---|---|---|---|---|---|")
     for name, med, lo, err in rows:
         print(f"| {name} | {med:.2f} | {lo:.2f} | {med / base:.2f}x | {wbytes / med / 1e3:.0f} |"
               f" {err} |")
-    if True:
-        print(f"floor (bytes / copy bandwidth {bw:.0f} GB/s): {wbytes / bw / 1e3:.2f} us")
+    print(f"floor (bytes / copy bandwidth {bw:.0f} GB/s): {wbytes / bw / 1e3:.2f} us")
+    if a.write_table:
+        _write_table(a.write_table, a.m, rows)
     return 0
+
+
+def _write_table(path, m, rows):
+    from dflash_ops.models import linear
+
+    gemm = [(t, n) for n, t, _, e in rows[4:] if not math.isnan(t)]
+    table = next((t for n, t, _, e in rows if n.startswith("table:")), float("nan"))
+    best_t, best = min(gemm) if gemm else (float("nan"), None)
+    if best is None or not best_t <= table - 0.5:
+        print(f"--write-table: nothing written (best {best} {best_t:.2f} us vs the table's "
+              f"{table:.2f})")
+        return
+    doc = json.loads(linear.TABLE_PATH.read_text())
+    cfg = list(dict(VARIANTS)[best])
+    hit = [e for e in doc["entries"] if (e["n"], e["k"], e["m"]) == (N, H, m)]
+    if not hit:
+        print(f"--write-table: the table has no ({N}, {H}, {m}) entry; nothing written")
+        return
+    for e in hit:
+        e["cfg"] = cfg
+        e["measured"] = f"proj_probe: {best} {best_t:.2f} us vs the table's {table:.2f} (graph)"
+    Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"--write-table: {path}: ({N}, {H}, {m}) -> {best} {cfg}")
 
 
 if __name__ == "__main__":
