@@ -43,6 +43,8 @@ VARIANTS = [
     ("bn64 split13 st3 (260)", (16, 64, 128, 8, 4, 3, True, False, 13, False)),
     ("bn32 split10 bk64 st4 (400)", (16, 32, 64, 8, 4, 4, True, False, 10, False)),
     ("bn32 split4 bk64 st8", (16, 32, 64, 8, 4, 8, True, False, 4, False)),
+    ("bn32 split10 st3 (400)", (16, 32, 128, 8, 4, 3, True, False, 10, False)),
+    ("bn16 split20 st2 (1600)", (16, 16, 128, 8, 4, 2, True, False, 20, False)),
 ]
 
 
