@@ -5,10 +5,9 @@ how far is the split-K GEMM from a kernel that only reads the same 13.1 MB?
 
 Rows: a read-only Triton kernel over the weight (programs x chunk, a sum a program: the
 bytes a GEMM must read, nothing else), cuBLAS (F.linear), the model's table config and
-split-K / stage variants of ``launch_proj``, and a stream-K kernel defined here (session 39's
-experiment: every program streams the same bytes, where split-K's 160 programs put a second
-one on 28 of the 132 SMs). Each GEMM row is checked against F.linear in
-fp32 before it is timed. us a launch = graph replay time / NW (median of REPS replays).
+split-K / stage variants of ``launch_proj`` (branch ``streamk`` adds its stream-K launches).
+Each GEMM row is checked against F.linear in fp32 before it is timed. us a launch = graph
+replay time / NW (median of REPS replays).
 
     python benchmarks/proj_probe.py [--m 8] [--nw 12] [--reps 50] [--write-table PATH]
 
@@ -61,80 +60,6 @@ def _read_kernel(w_ptr, out_ptr, n_elem, CHUNK: tl.constexpr, BLOCK: tl.constexp
         idx = base + i + offs
         acc += tl.load(w_ptr + idx, mask=idx < n_elem, other=0.0).to(tl.float32)
     tl.store(out_ptr + p, tl.sum(acc, 0))
-
-
-@triton.jit
-def _streamk_kernel(x_desc, w_desc, out_ptr, part_ptr, cnt_ptr, T, N, U, P, KSTEPS, J, o_st,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    # stream-K (an experiment of session 39): the U = NUM_N * KSTEPS units (an N tile x one
-    # BLOCK_K step) split evenly over P programs, program p taking [p U / P, (p + 1) U / P):
-    # every program streams the same bytes +-1 unit whatever N and the SM count. A program's
-    # range crosses tiles: it stores one fp32 partial per tile it touches (part[p, j], j the
-    # tile's index among its tiles); a tile's last program to finish (a counter a tile, the
-    # split-K kernel's acq_rel order) sums the partials of its programs in program order,
-    # rounds once and resets the counter. The owner of unit u is (((u + 1) P - 1) // U).
-    p = tl.program_id(0)
-    u0 = (p * U) // P
-    u1 = ((p + 1) * U) // P
-    t_first = u0 // KSTEPS
-    rows = tl.arange(0, BM)
-    pmask = (rows < T)[:, None]
-    u = u0
-    while u < u1:
-        tile = u // KSTEPS
-        kb = u - tile * KSTEPS
-        ke = tl.minimum(KSTEPS, kb + (u1 - u))
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for ks in range(kb, ke):
-            a = x_desc.load([0, ks * BK])
-            b = w_desc.load([tile * BN, ks * BK])
-            acc = tl.dot(a, tl.trans(b), acc)
-        cols = tile * BN + tl.arange(0, BN)
-        poff = rows[:, None] * BN + tl.arange(0, BN)[None, :]
-        tl.store(part_ptr + (p * J + tile - t_first).to(tl.int64) * (BM * BN) + poff, acc,
-                 mask=pmask)
-        tl.debug_barrier()
-        pf = ((tile * KSTEPS + 1) * P - 1) // U
-        pl = (((tile + 1) * KSTEPS) * P - 1) // U
-        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if done == pl - pf:
-            total = tl.zeros((BM, BN), dtype=tl.float32)
-            for q in range(pf, pl + 1):
-                jq = tile - ((q * U) // P) // KSTEPS
-                total += tl.load(part_ptr + (q * J + jq).to(tl.int64) * (BM * BN) + poff,
-                                 mask=pmask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + rows[:, None] * o_st + cols[None, :],
-                     total.to(out_ptr.dtype.element_ty), mask=pmask & (cols < N)[None, :])
-            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
-        u = tile * KSTEPS + ke
-
-
-class StreamK:
-    """x[T, K] @ w[N, K]^T with _streamk_kernel over ``programs`` programs (T <= bm; K a
-    multiple of bk); buffers made once, so a graph may capture it."""
-
-    def __init__(self, t, n, k, programs, bm=16, bn=16, bk=128, stages=4, warps=4,
-                 device="cuda"):
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        assert t <= bm and k % bk == 0, (t, k)
-        self.desc = TensorDescriptor
-        self.t, self.n, self.bm, self.bn, self.bk = t, n, bm, bn, bk
-        self.ksteps = k // bk
-        self.u = triton.cdiv(n, bn) * self.ksteps
-        self.p = min(programs, self.u)
-        self.j = triton.cdiv(triton.cdiv(self.u, self.p), self.ksteps) + 1
-        self.part = torch.empty(self.p * self.j * bm * bn, dtype=torch.float32, device=device)
-        self.cnt = torch.zeros(triton.cdiv(n, bn), dtype=torch.int32, device=device)
-        self.stages, self.warps = stages, warps
-
-    def __call__(self, x, w, out):
-        xd = self.desc(x, list(x.shape), list(x.stride()), [self.bm, self.bk])
-        wd = self.desc(w, list(w.shape), list(w.stride()), [self.bn, self.bk])
-        _streamk_kernel[(self.p,)](xd, wd, out, self.part, self.cnt, self.t, self.n, self.u,
-                                   self.p, self.ksteps, self.j, out.stride(0), BM=self.bm,
-                                   BN=self.bn, BK=self.bk, num_warps=self.warps,
-                                   num_stages=self.stages)
 
 
 def _graph_us(fn, nw, reps):
@@ -214,22 +139,6 @@ def main() -> int:
                                 a.reps)
             rows.append((name, med, lo, f"{err:.3g}"))
         except Exception as e:  # noqa: BLE001 - a config the compiler rejects is a row too
-            rows.append((name, float("nan"), float("nan"), f"failed: {type(e).__name__}: {e}"[:90]))
-    # stream-K (this file's experiment): P programs, every one the same bytes +-1 unit
-    for progs, bn in ((sms, 16), (2 * sms, 16), (sms, 32), (2 * sms, 32)):
-        name = f"stream-K {progs} programs, bn {bn}, bk 128, st 4"
-        try:
-            sk = StreamK(a.m, N, H, progs, bn=bn)
-            outs[0].zero_()
-            sk(x, ws[0], outs[0])
-            torch.cuda.synchronize()
-            err = (outs[0].float() - ref).abs().max().item()
-            if not err < 0.05:
-                rows.append((name, float("nan"), float("nan"), f"WRONG {err:.3g}"))
-                continue
-            med, lo = _graph_us(lambda i, f=sk: f(x, ws[i], outs[i]), a.nw, a.reps)
-            rows.append((name, med, lo, f"{err:.3g}"))
-        except Exception as e:  # noqa: BLE001
             rows.append((name, float("nan"), float("nan"), f"failed: {type(e).__name__}: {e}"[:90]))
     base = min(r[1] for r in rows[:3])
     print("| kernel | us a launch (median) | min | vs read-only | GB/s | max err |")
