@@ -6,10 +6,10 @@ how far is the split-K GEMM from a kernel that only reads the same 13.1 MB?
 Rows: a read-only Triton kernel over the weight (programs x chunk, a sum a program: the
 bytes a GEMM must read, nothing else), cuBLAS (F.linear), the model's table config and
 split-K / stage variants of ``launch_proj`` (branch ``streamk`` adds its stream-K launches).
-Each GEMM row is checked against F.linear in fp32 before it is timed. us a launch = graph
-replay time / NW (median of REPS replays).
+Each GEMM row is checked against F.linear in fp32 before it is timed. us a launch:
+harness.time_fn's graph mode over the NW copies (median over its replays).
 
-    python benchmarks/proj_probe.py [--m 8] [--nw 12] [--reps 50] [--write-table PATH]
+    python benchmarks/proj_probe.py [--m 8] [--nw 12] [--write-table PATH]
 
 --write-table PATH: a copy of models/linear_table.json whose (1280, 5120, M) entry holds the
 fastest variant, written only where it beats the table's config by >= 0.5 us a launch (for
@@ -32,9 +32,10 @@ import triton.language as tl  # noqa: E402
 
 N, H = 1280, 5120
 
-# (name, ProjCfg fields): bm, bn, bk, gm, warps, stages, tma, persistent, split, serial
+# (name, ProjCfg fields): bm, bn, bk, gm, warps, stages, tma, persistent, split, serial;
+# main() times models.linear's own table entry for the shape first (the "table:" row)
 VARIANTS = [
-    ("table: bn32 split4 st4", (16, 32, 128, 8, 4, 4, True, False, 4, False)),
+    ("bn32 split4 st4", (16, 32, 128, 8, 4, 4, True, False, 4, False)),
     ("bn32 split4 st6", (16, 32, 128, 8, 4, 6, True, False, 4, False)),
     ("bn32 split3 st4 (120 progs)", (16, 32, 128, 8, 4, 4, True, False, 3, False)),
     ("bn32 split3 st8", (16, 32, 128, 8, 4, 8, True, False, 3, False)),
@@ -62,45 +63,24 @@ def _read_kernel(w_ptr, out_ptr, n_elem, CHUNK: tl.constexpr, BLOCK: tl.constexp
     tl.store(out_ptr + p, tl.sum(acc, 0))
 
 
-def _graph_us(fn, nw, reps):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(nw):  # warm-up: compiles, autotunes, allocates
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(nw):
-            fn(i)
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1000 / nw)
-    ts.sort()
-    return ts[len(ts) // 2], ts[0]
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--m", type=int, default=8)
     ap.add_argument("--nw", type=int, default=12)
-    ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--write-table", metavar="PATH", default=None)
     a = ap.parse_args()
+    if a.m < 1 or a.nw < 1:
+        ap.error(f"--m and --nw must be >= 1, got --m {a.m} --nw {a.nw}")
     if not torch.cuda.is_available():
         print("proj_probe: needs a CUDA GPU", file=sys.stderr)
         return 2
-    from dflash_ops.bench.harness import measure_floors
+    from dflash_ops.bench.harness import measure_floors, time_fn
+    from dflash_ops.models import linear
     from dflash_ops.triton.context import ProjCfg, launch_proj
+
+    def graph_us(fn):  # fn(w, out) over the weight copies, in one graph: (median, p20) us
+        r = time_fn(fn, rotate=list(zip(ws, outs)), graph=True, calls=a.nw)
+        return r["us"], r["p20"]
 
     fl = measure_floors()
     bw = fl["copy_GBps"]
@@ -120,13 +100,15 @@ def main() -> int:
         chunk = triton.cdiv(triton.cdiv(N * H, progs), block) * block
         grid = triton.cdiv(N * H, chunk)
         red = torch.empty(grid, dtype=torch.float32, device="cuda")
-        med, lo = _graph_us(lambda i, c=chunk, b=block, g=grid, r=red: _read_kernel[(g,)](
-            ws[i], r, N * H, CHUNK=c, BLOCK=b, num_warps=8), a.nw, a.reps)
+        med, lo = graph_us(lambda w, o, c=chunk, b=block, g=grid, r=red: _read_kernel[(g,)](
+            w, r, N * H, CHUNK=c, BLOCK=b, num_warps=8))
         rows.append((f"read only, {grid} programs x {chunk * 2 // 1024} KB", med, lo, "-"))
-    med, lo = _graph_us(lambda i: torch.mm(x, ws[i].t(), out=outs[i]), a.nw, a.reps)
+    med, lo = graph_us(lambda w, o: torch.mm(x, w.t(), out=o))
     err = (outs[0].float() - ref).abs().max().item()
     rows.append(("cuBLAS (x @ w^T)", med, lo, f"{err:.3g}"))
-    for name, f in VARIANTS:
+    entry = linear.choice(a.m, N, H, x.dtype, x.device, graph=True)  # what the step runs
+    table = [(f"table: {entry}", entry)] if entry and entry != linear.CUDA_CFG else []
+    for name, f in table + VARIANTS:
         cfg = ProjCfg(*f)
         try:
             launch_proj(x, ws[0], None, outs[0], cfg)
@@ -135,13 +117,12 @@ def main() -> int:
             if not err < 0.05:
                 rows.append((name, float("nan"), float("nan"), f"WRONG {err:.3g}"))
                 continue
-            med, lo = _graph_us(lambda i, c=cfg: launch_proj(x, ws[i], None, outs[i], c), a.nw,
-                                a.reps)
+            med, lo = graph_us(lambda w, o, c=cfg: launch_proj(x, w, None, o, c))
             rows.append((name, med, lo, f"{err:.3g}"))
         except Exception as e:  # noqa: BLE001 - a config the compiler rejects is a row too
             rows.append((name, float("nan"), float("nan"), f"failed: {type(e).__name__}: {e}"[:90]))
     base = min(r[1] for r in rows[:3])
-    print("| kernel | us a launch (median) | min | vs read-only | GB/s | max err |")
+    print("| kernel | us a launch (median) | p20 | vs read-only | GB/s | max err |")
     print("|---|---|---|---|---|---|")
     for name, med, lo, err in rows:
         print(f"| {name} | {med:.2f} | {lo:.2f} | {med / base:.2f}x | {wbytes / med / 1e3:.0f} |"
@@ -155,7 +136,7 @@ def main() -> int:
 def _write_table(path, m, rows):
     from dflash_ops.models import linear
 
-    names = dict(VARIANTS)
+    names = dict(VARIANTS)  # only these may be written (the table row is the baseline)
     gemm = [(t, n) for n, t, _, e in rows if n in names and not math.isnan(t)]
     table = next((t for n, t, _, e in rows if n.startswith("table:")), float("nan"))
     best_t, best = min(gemm) if gemm else (float("nan"), None)
@@ -164,7 +145,7 @@ def _write_table(path, m, rows):
               f"{table:.2f})")
         return
     doc = json.loads(linear.TABLE_PATH.read_text())
-    cfg = list(dict(VARIANTS)[best])
+    cfg = list(names[best])
     hit = [e for e in doc["entries"] if (e["n"], e["k"], e["m"]) == (N, H, m)]
     if not hit:
         print(f"--write-table: the table has no ({N}, {H}, {m}) entry; nothing written")

@@ -34,7 +34,7 @@ case "$gpu" in
       echo "compare: $(( $(date +%s) - t0 )) s"
     fi
     for m in 1 16; do
-      sk timeout 90 python3 benchmarks/proj_probe.py --m $m --nw 8 --reps 30 > $O/proj_probe_m$m.log 2>&1
+      sk timeout 90 python3 benchmarks/proj_probe.py --m $m --nw 8 > $O/proj_probe_m$m.log 2>&1
       grep -E "^\|" $O/proj_probe_m$m.log
     done
     cp .sk/dflash_ops/models/linear_table.json $O/linear_table_sk.json ;;
