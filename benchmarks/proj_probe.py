@@ -6,6 +6,9 @@ how far is the split-K GEMM from a kernel that only reads the same 13.1 MB?
 Rows: a read-only Triton kernel over the weight (programs x chunk, a sum a program: the
 bytes a GEMM must read, nothing else), cuBLAS (F.linear), the model's table config and
 split-K / stage variants of ``launch_proj`` (branch ``streamk`` adds its stream-K launches).
+Then (session 40) the table config's split-K launch taken apart, each with PDL off as the
+read-only kernel: its TMA tile loads alone (summed, no dot), its main loop alone (partials
+stored, no counter and no reduction) and the whole launch: what the GEMM adds to the bytes.
 Each GEMM row is checked against F.linear in fp32 before it is timed. us a launch:
 harness.time_fn's graph mode over the NW copies (median over its replays).
 
@@ -29,6 +32,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+
+from dflash_ops.triton.context import _slice_acc, _tile_ids  # noqa: E402
 
 N, H = 1280, 5120
 
@@ -61,6 +66,37 @@ def _read_kernel(w_ptr, out_ptr, n_elem, CHUNK: tl.constexpr, BLOCK: tl.constexp
         idx = base + i + offs
         acc += tl.load(w_ptr + idx, mask=idx < n_elem, other=0.0).to(tl.float32)
     tl.store(out_ptr + p, tl.sum(acc, 0))
+
+
+# The table config's launch taken apart (session 40), each with PDL off like the read-only
+# kernel: its TMA tile loads alone (summed, no dot), its main loop alone (context._slice_acc,
+# the fp32 partial stored, no counter, no reduction), then the whole launch with PDL off.
+@triton.jit
+def _tile_read_kernel(w_desc, out_ptr, H, KS, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # program (tile, slice) loads w[tile's BLOCK_N rows, slice's K range] box by box, sums it
+    n0 = tl.program_id(0) * BLOCK_N
+    k_lo = tl.program_id(1) * KS
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(k_lo, tl.minimum(k_lo + KS, H), BLOCK_K):
+        acc += w_desc.load([n0, k0]).to(tl.float32)
+    tl.store(out_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.sum(acc))
+
+
+@triton.jit
+def _loop_only_kernel(x_desc, w_desc, part_ptr, T, N, H, KS, NUM_M, NUM_N,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr):
+    # _proj_splitk_kernel's program without its PDL wait, counter and reduction
+    pid_m, pid_n = _tile_ids(tl.program_id(0), NUM_M, NUM_N, GROUP_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_lo = tl.program_id(1) * KS
+    acc = _slice_acc(x_desc, w_desc, rows, cols, pid_m * BLOCK_M, pid_n * BLOCK_N, k_lo,
+                     tl.minimum(k_lo + KS, H), T, N, 0, 0, 0, 0, True, BLOCK_M, BLOCK_N,
+                     BLOCK_K)
+    pn = NUM_N * BLOCK_N
+    off = tl.program_id(1).to(tl.int64) * NUM_M * BLOCK_M * pn + rows[:, None] * pn + cols[None, :]
+    tl.store(part_ptr + off, acc, mask=(rows < T)[:, None] & (cols >= 0)[None, :])
 
 
 def main() -> int:
@@ -121,6 +157,8 @@ def main() -> int:
             rows.append((name, med, lo, f"{err:.3g}"))
         except Exception as e:  # noqa: BLE001 - a config the compiler rejects is a row too
             rows.append((name, float("nan"), float("nan"), f"failed: {type(e).__name__}: {e}"[:90]))
+    if table and ProjCfg(*table[0][1]).split > 1 and ProjCfg(*table[0][1]).tma:
+        rows += _decompose(ProjCfg(*table[0][1]), x, graph_us)
     base = min(r[1] for r in rows[:3])
     print("| kernel | us a launch (median) | p20 | vs read-only | GB/s | max err |")
     print("|---|---|---|---|---|---|")
@@ -131,6 +169,49 @@ def main() -> int:
     if a.write_table:
         _write_table(a.write_table, a.m, rows)
     return 0
+
+
+def _decompose(cfg, x, graph_us):
+    """Rows for the table config's split-K launch taken apart, all with PDL off (as the
+    read-only kernel): its tile loads alone, its main loop alone, the whole launch."""
+    import os
+
+    from dflash_ops.triton.context import TensorDescriptor, launch_proj
+
+    m = x.shape[0]
+    ks = triton.cdiv(triton.cdiv(H, cfg.split), cfg.bk) * cfg.bk
+    num_m, num_n = triton.cdiv(m, cfg.bm), triton.cdiv(N, cfg.bn)
+    grid = (num_m * num_n, cfg.split)
+    red = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x.device)
+    part = torch.empty(cfg.split, num_m * cfg.bm, num_n * cfg.bn, dtype=torch.float32,
+                       device=x.device)
+    xd = TensorDescriptor(x, list(x.shape), list(x.stride()), [cfg.bm, cfg.bk])
+
+    def wd(w):
+        return TensorDescriptor(w, list(w.shape), list(w.stride()), [cfg.bn, cfg.bk])
+
+    kw = dict(num_warps=cfg.warps, num_stages=cfg.stages)
+    out = []
+    med, lo = graph_us(lambda w, o: _tile_read_kernel[grid](wd(w), red, H, ks, BLOCK_N=cfg.bn,
+                                                             BLOCK_K=cfg.bk, **kw))
+    out.append((f"table cfg: its TMA loads only ({cfg.bn} x {cfg.bk} boxes summed), PDL off",
+                med, lo, "-"))
+    med, lo = graph_us(lambda w, o: _loop_only_kernel[grid](
+        xd, wd(w), part, m, N, H, ks, num_m, num_n, BLOCK_M=cfg.bm, BLOCK_N=cfg.bn,
+        BLOCK_K=cfg.bk, GROUP_M=cfg.gm, **kw))
+    out.append(("table cfg: main loop only (partials stored; no counter, no reduction), "
+                "PDL off", med, lo, "-"))
+    old = os.environ.get("DFLASH_OPS_PDL")
+    os.environ["DFLASH_OPS_PDL"] = "0"  # read at each launch (_pdl.py)
+    try:
+        med, lo = graph_us(lambda w, o: launch_proj(x, w, None, o, cfg))
+    finally:
+        if old is None:
+            del os.environ["DFLASH_OPS_PDL"]
+        else:
+            os.environ["DFLASH_OPS_PDL"] = old
+    out.append(("table cfg: the whole launch, PDL off", med, lo, "-"))
+    return out
 
 
 def _write_table(path, m, rows):
