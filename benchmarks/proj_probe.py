@@ -72,12 +72,15 @@ def _read_kernel(w_ptr, out_ptr, n_elem, CHUNK: tl.constexpr, BLOCK: tl.constexp
 # kernel: its TMA tile loads alone (summed, no dot), its main loop alone (context._slice_acc,
 # the fp32 partial stored, no counter, no reduction), then the whole launch with PDL off.
 @triton.jit
-def _tile_read_kernel(w_desc, out_ptr, H, KS, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # program (tile, slice) loads w[tile's BLOCK_N rows, slice's K range] box by box, sums it
+def _tile_read_kernel(w_desc, out_ptr, H, KS, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      STAGES: tl.constexpr):
+    # program (tile, slice) loads w[tile's BLOCK_N rows, slice's K range] box by box, sums it;
+    # the loop's loads pipelined STAGES deep as the GEMM's (Triton pipelines a loop without a
+    # dot only when asked: tl.range's num_stages)
     n0 = tl.program_id(0) * BLOCK_N
     k_lo = tl.program_id(1) * KS
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(k_lo, tl.minimum(k_lo + KS, H), BLOCK_K):
+    for k0 in tl.range(k_lo, tl.minimum(k_lo + KS, H), BLOCK_K, num_stages=STAGES):
         acc += w_desc.load([n0, k0]).to(tl.float32)
     tl.store(out_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.sum(acc))
 
@@ -193,7 +196,8 @@ def _decompose(cfg, x, graph_us):
     kw = dict(num_warps=cfg.warps, num_stages=cfg.stages)
     out = []
     med, lo = graph_us(lambda w, o: _tile_read_kernel[grid](wd(w), red, H, ks, BLOCK_N=cfg.bn,
-                                                             BLOCK_K=cfg.bk, **kw))
+                                                             BLOCK_K=cfg.bk, STAGES=cfg.stages,
+                                                             **kw))
     out.append((f"table cfg: its TMA loads only ({cfg.bn} x {cfg.bk} boxes summed), PDL off",
                 med, lo, "-"))
     med, lo = graph_us(lambda w, o: _loop_only_kernel[grid](
