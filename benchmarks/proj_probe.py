@@ -5,7 +5,7 @@ how far is the split-K GEMM from a kernel that only reads the same 13.1 MB?
 
 Rows: a read-only Triton kernel over the weight (programs x chunk, a sum a program: the
 bytes a GEMM must read, nothing else), cuBLAS (F.linear), the model's table config and
-split-K / stage variants of ``launch_proj`` (branch ``streamk`` adds its stream-K launches).
+split-K / stage variants of ``launch_proj`` (session 40 refuted a stream-K launch: NOTES).
 Then (session 40) the table config's split-K launch taken apart, each with PDL off as the
 read-only kernel: its TMA tile loads alone (summed, no dot), its main loop alone (partials
 stored, no counter and no reduction) and the whole launch: what the GEMM adds to the bytes.
@@ -160,8 +160,9 @@ def main() -> int:
             rows.append((name, med, lo, f"{err:.3g}"))
         except Exception as e:  # noqa: BLE001 - a config the compiler rejects is a row too
             rows.append((name, float("nan"), float("nan"), f"failed: {type(e).__name__}: {e}"[:90]))
-    if table and ProjCfg(*table[0][1]).split > 1 and ProjCfg(*table[0][1]).tma:
-        rows += _decompose(ProjCfg(*table[0][1]), x, graph_us)
+    tcfg = ProjCfg(*table[0][1]) if table else None
+    if tcfg is not None and tcfg.split > 1 and tcfg.tma:
+        rows += _decompose(tcfg, x, ws[0], outs[0], ref, graph_us)
     base = min(r[1] for r in rows[:3])
     print("| kernel | us a launch (median) | p20 | vs read-only | GB/s | max err |")
     print("|---|---|---|---|---|---|")
@@ -174,12 +175,14 @@ def main() -> int:
     return 0
 
 
-def _decompose(cfg, x, graph_us):
+def _decompose(cfg, x, w0, out0, ref, graph_us):
     """Rows for the table config's split-K launch taken apart, all with PDL off (as the
-    read-only kernel): its tile loads alone, its main loop alone, the whole launch."""
+    read-only kernel): its tile loads alone, its main loop alone (its partials' sum on
+    ``w0`` checked against ``ref``), the whole launch (checked too, into ``out0``)."""
     import os
+    from unittest import mock
 
-    from dflash_ops.triton.context import TensorDescriptor, launch_proj
+    from dflash_ops.triton.context import _operands, launch_proj
 
     m = x.shape[0]
     ks = triton.cdiv(triton.cdiv(H, cfg.split), cfg.bk) * cfg.bk
@@ -188,33 +191,44 @@ def _decompose(cfg, x, graph_us):
     red = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x.device)
     part = torch.empty(cfg.split, num_m * cfg.bm, num_n * cfg.bn, dtype=torch.float32,
                        device=x.device)
-    xd = TensorDescriptor(x, list(x.shape), list(x.stride()), [cfg.bm, cfg.bk])
+    xd, _ = _operands(x, w0, cfg.bm, cfg.bn, cfg.bk, True)
 
     def wd(w):
-        return TensorDescriptor(w, list(w.shape), list(w.stride()), [cfg.bn, cfg.bk])
+        return _operands(x, w, cfg.bm, cfg.bn, cfg.bk, True)[1]
 
     kw = dict(num_warps=cfg.warps, num_stages=cfg.stages)
     out = []
-    med, lo = graph_us(lambda w, o: _tile_read_kernel[grid](wd(w), red, H, ks, BLOCK_N=cfg.bn,
-                                                             BLOCK_K=cfg.bk, STAGES=cfg.stages,
-                                                             **kw))
+    def tile_read(w, o):
+        _tile_read_kernel[grid](wd(w), red, H, ks, BLOCK_N=cfg.bn, BLOCK_K=cfg.bk,
+                                STAGES=cfg.stages, **kw)
+
+    tile_read(w0, None)
+    want = w0.float().sum().item()  # every element read once
+    err = abs(red.sum().item() - want)
+    if not err < 1e-3 * max(1.0, abs(want)) + 1.0:
+        raise RuntimeError(f"proj_probe: the tile-load kernel's sum is wrong (off by {err:.3g})")
+    med, lo = graph_us(tile_read)
     out.append((f"table cfg: its TMA loads only ({cfg.bn} x {cfg.bk} boxes summed), PDL off",
                 med, lo, "-"))
-    med, lo = graph_us(lambda w, o: _loop_only_kernel[grid](
-        xd, wd(w), part, m, N, H, ks, num_m, num_n, BLOCK_M=cfg.bm, BLOCK_N=cfg.bn,
-        BLOCK_K=cfg.bk, GROUP_M=cfg.gm, **kw))
+
+    def loop_only(w, o):
+        _loop_only_kernel[grid](xd, wd(w), part, m, N, H, ks, num_m, num_n, BLOCK_M=cfg.bm,
+                                BLOCK_N=cfg.bn, BLOCK_K=cfg.bk, GROUP_M=cfg.gm, **kw)
+
+    loop_only(w0, None)
+    err = (part[:, :m, :N].sum(0) - ref).abs().max().item()  # the slices' fp32 partials
+    if not err < 0.05:
+        raise RuntimeError(f"proj_probe: the main-loop-only kernel is wrong (max err {err:.3g})")
+    med, lo = graph_us(loop_only)
     out.append(("table cfg: main loop only (partials stored; no counter, no reduction), "
-                "PDL off", med, lo, "-"))
-    old = os.environ.get("DFLASH_OPS_PDL")
-    os.environ["DFLASH_OPS_PDL"] = "0"  # read at each launch (_pdl.py)
-    try:
+                "PDL off", med, lo, f"{err:.3g}"))
+    with mock.patch.dict(os.environ, {"DFLASH_OPS_PDL": "0"}):  # read at each launch (_pdl.py)
+        launch_proj(x, w0, None, out0, cfg)
+        err = (out0.float() - ref).abs().max().item()
+        if not err < 0.05:
+            raise RuntimeError(f"proj_probe: the PDL-off launch is wrong (max err {err:.3g})")
         med, lo = graph_us(lambda w, o: launch_proj(x, w, None, o, cfg))
-    finally:
-        if old is None:
-            del os.environ["DFLASH_OPS_PDL"]
-        else:
-            os.environ["DFLASH_OPS_PDL"] = old
-    out.append(("table cfg: the whole launch, PDL off", med, lo, "-"))
+    out.append(("table cfg: the whole launch, PDL off", med, lo, f"{err:.3g}"))
     return out
 
 
