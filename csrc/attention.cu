@@ -29,6 +29,7 @@
 #include "common.cuh"
 
 #include <ATen/ops/empty.h>
+#include <cmath>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -104,7 +105,8 @@ void check_attn(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
   check_dtype(op, "query_start_loc", query_start_loc, at::kInt);
   check_device(op, "query_start_loc", query_start_loc, device);
   check_shape(op, "query_start_loc", query_start_loc, {batch + 1});
-  TORCH_CHECK_VALUE(scale > 0, "dflash.", op, ": scale must be > 0, got ", py_float(scale));
+  TORCH_CHECK_VALUE(scale > 0 && std::isfinite(scale), "dflash.", op,
+                    ": scale must be finite and > 0, got ", py_float(scale));
   if (sinks.has_value()) {
     check_dtype(op, "sinks", *sinks, at::kFloat);
     check_device(op, "sinks", *sinks, device);

@@ -1,7 +1,7 @@
 // DFlash 2's candidate selector walk: select_candidates (dflash_ops/ops/select.py).
 //
 //   score[r, j, i] = unary[r, j, i] + sum_d pred[prev, d] * hidden[r, j, d] * succ[cand[r, j, i], d]
-//   greedy: pick = the first maximum; sampled: q = softmax(score / T), pick = the first running
+//   greedy: pick = the first maximum (the first NaN if any); sampled: q = softmax(score / T), pick = the first running
 //   sum of q past u[r, j] * sum(q); prev = cand[r, j, pick] (prev starts at anchor[r])
 //
 // One block of 8 warps per request. Candidate i belongs to warp i / CPW; every lane holds the
@@ -188,8 +188,10 @@ __global__ void __launch_bounds__(kThreads, 1) select_kernel(const SelectParams 
         const unsigned over = __ballot_sync(0xffffffffu, in && cdf > __ldg(p.u + row) * total);
         pick = over ? __ffs(over) - 1 : p.k - 1;
       } else {
-        const float best = warp_max(score);
-        const unsigned hit = __ballot_sync(0xffffffffu, in && score == best);
+        // the first NaN if the row has one (torch.argmax's rule), else the first maximum
+        const unsigned nan = __ballot_sync(0xffffffffu, in && isnan(score));
+        const float best = warp_max(score);  // fmaxf: NaN-free unless every lane is NaN
+        const unsigned hit = nan ? nan : __ballot_sync(0xffffffffu, in && score == best);
         pick = hit ? __ffs(hit) - 1 : 0;
         q = lane == pick ? 1.0f : 0.0f;
       }

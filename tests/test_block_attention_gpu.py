@@ -68,6 +68,15 @@ def test_cuda_grid(dtype):
     interp.check_block_attention(DEV, dtypes=(dtype,), splits_list=(1, 2), backend="cuda")
 
 
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("dtype", [BF16, torch.float32], ids=["bf16", "fp32"])
+def test_odd_gqa_grid(backend, dtype):
+    """GQA groups that are not a power of two (3, 5, 6; Qwen2.5-14B: 40 / 8 heads)."""
+    _need(backend)
+    interp.check_block_attention(DEV, dtypes=(dtype,), splits_list=(1, 3),
+                                 shapes=interp.ODD_GQA_SHAPES, backend=backend)
+
+
 # (block_size, GQA ratio, D): pages of one box a tile (64, 128) and several (8, 16), both D
 HOPPER_SHAPES = ((8, 4, 128), (16, 1, 64), (16, 8, 128), (64, 4, 128), (128, 4, 64))
 
@@ -227,3 +236,31 @@ def test_cache_past_32bit_offsets(backend):
     del kc, vc
     assert_rule(out.cpu(), dense_attention(*args, cd=F64), dense_attention(*args, cd=BF16),
                 "block_attention past 2^31")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_split_partials_past_32bit_offsets(backend):
+    """32 absolute splits (split_keys 64 over 2048 keys) of a call with Tq 4352, Hq 64, D 256:
+    the fp32 partials [32, Tq, Hq, D] hold 2.3e9 elements, so split s >= 8 sits past 2^31 (9.1
+    GB). One request owns the first 16 rows; the rest are zeros."""
+    _need(backend)
+    if torch.cuda.mem_get_info()[0] < 16 * 2**30:
+        pytest.skip("needs 16 GB of free GPU memory")
+    torch.manual_seed(5)
+    tq, hq, hkv, d, bs, m, ql = 4352, 64, 1, 256, 16, 128, 16
+    q = torch.randn(tq, hq, d, device=DEV).to(BF16)
+    kc = torch.randn(m, bs, hkv, d, device=DEV).to(BF16)
+    vc = torch.randn(m, bs, hkv, d, device=DEV).to(BF16)
+    table = torch.randperm(m, device=DEV)[None].to(torch.int32)
+    sl = torch.tensor([m * bs], dtype=torch.int32, device=DEV)
+    qsl = torch.tensor([0, ql], dtype=torch.int32, device=DEV)
+    scale = 1 / math.sqrt(d)
+    out = torch.full_like(q, float("nan"))
+    with dflash_ops.use_backend(backend, ops=["block_attention_out_"]):
+        dflash_ops.block_attention(q, kc, vc, table, sl, qsl, scale, True, -1, None, 64,
+                                   out=out)
+    assert torch.equal(out[ql:], torch.zeros_like(out[ql:])), "rows no request owns"
+    args = (q[:ql].cpu(), kc.cpu(), vc.cpu(), table.cpu(), sl.cpu(), qsl.cpu(), scale, True, -1,
+            None)
+    assert_rule(out[:ql].cpu(), dense_attention(*args, cd=F64), dense_attention(*args, cd=BF16),
+                "block_attention split partials past 2^31")

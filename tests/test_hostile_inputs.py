@@ -237,8 +237,9 @@ def test_prepare_step_skips_out_of_range_rows(bad):
 
 
 @pytest.mark.parametrize("op,bad", [(op, bad) for op in LOOP_OPS
-                                    for bad in ("minus-one", "N", "n_out-negative")
-                                    if op != "prepare_step_" or bad != "n_out-negative"])
+                                    for bad in ("minus-one", "N", "n_out-negative", "duplicate")
+                                    if op != "prepare_step_"
+                                    or bad not in ("n_out-negative", "duplicate")])
 def test_debug_rejects_out_of_range_rows(op, bad, monkeypatch):
     if op == "prepare_step_":
         kw = L._prepare_sample(4, "cpu")
@@ -250,6 +251,8 @@ def test_debug_rejects_out_of_range_rows(op, bad, monkeypatch):
     if bad == "n_out-negative":
         kw["n_out"] = kw["n_out"].clone()
         kw["n_out"][kw["rows"][0]] = -1
+    elif bad == "duplicate":  # two requests committing into one state slot
+        kw["rows"][1] = kw["rows"][0]
     else:
         kw["rows"][0] = -1 if bad == "minus-one" else n
     monkeypatch.setenv("DFLASH_OPS_DEBUG", "1")

@@ -25,9 +25,10 @@ from dflash_ops.ops.select import (ARGMAX_MAX_V, TOPK_MAX, argmax_last, row_argm
 
 
 def case(r, j, k, rank, v, temperature=0.0, dtype=torch.float32, seed=0, device="cpu",
-         bad_ids=False, mixed=False):
+         bad_ids=False, mixed=False, nans=False):
     """``mixed``: unary fp32 (torch.topk of fp32 logits) and hidden fp16 beside codebooks of
-    ``dtype``: each of the three may have its own float dtype."""
+    ``dtype``: each of the three may have its own float dtype. ``nans``: NaN unary scores (one
+    beside a +inf, two in a row, a row all NaN): greedy picks the first NaN, as torch.argmax."""
     g = torch.Generator().manual_seed(seed)
     cand = torch.stack([torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(j)])
                         for _ in range(r)])
@@ -36,8 +37,12 @@ def case(r, j, k, rank, v, temperature=0.0, dtype=torch.float32, seed=0, device=
         cand[0, 0, 0] = v + 3
         cand[-1, -1, -1] = -2
         anchor[0] = -1
-    kw = dict(unary=torch.randn(r, j, k, generator=g).to(device,
-                                                       torch.float32 if mixed else dtype),
+    unary = torch.randn(r, j, k, generator=g)
+    if nans:
+        unary[0, 0, 1], unary[0, 0, 2] = float("inf"), float("nan")
+        unary[0, 1, 3], unary[0, 1, 1] = float("nan"), float("nan")
+        unary[-1, -1, :] = float("nan")
+    kw = dict(unary=unary.to(device, torch.float32 if mixed else dtype),
               cand=cand.to(device),
               hidden=torch.randn(r, j, rank, generator=g).to(device,
                                                              torch.float16 if mixed else dtype),
@@ -101,7 +106,8 @@ def test_sampled_draws_follow_q():
 
 
 GRID = [dict(r=3, j=7, k=4, rank=8, v=50), dict(r=2, j=3, k=20, rank=33, v=100),
-        dict(r=1, j=1, k=1, rank=4, v=9), dict(r=4, j=5, k=16, rank=64, v=300, bad_ids=True)]
+        dict(r=1, j=1, k=1, rank=4, v=9), dict(r=4, j=5, k=16, rank=64, v=300, bad_ids=True),
+        dict(r=2, j=4, k=6, rank=16, v=40, nans=True)]
 
 
 # the CUDA kernel's (dims a lane, candidates a warp) variants: rank 8-512, k 1-32
@@ -122,6 +128,7 @@ def check_backend(device, dtypes, backend="triton", grid=GRID):
                 what = f"{backend} {dtype} {g} T={temperature}"
                 assert torch.equal(got[0], want[0]), what
                 torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5,
+                                           equal_nan=bool(g.get("nans")),
                                            msg=lambda m: f"{what}: {m}")
 
 

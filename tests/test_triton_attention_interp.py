@@ -2,8 +2,8 @@
 SDPA truth of tests/test_attention_reference.py (fp32: close to it; fp16: the 2x rule, at most 2x
 the error of the dense computation done in fp16).
 
-Cases: every mask mode of ATTN_MODES (non-causal, causal, windows both ways, sinks), GQA 1/4/8,
-D 64/128, block sizes 4/16, requests with seq_len 1/15/16/17/100 and per-request query lengths,
+Cases: every mask mode of ATTN_MODES (non-causal, causal, windows both ways, sinks), GQA 1/4/8
+(and 3/5/6, groups that are not a power of two: Qwen2.5-14B's 40 / 8 heads), D 64/128, block sizes 4/16, requests with seq_len 1/15/16/17/100 and per-request query lengths,
 shuffled block tables with garbage ids past each request's blocks; every fourth case with the
 caches stored head-major (a strided view); the key range split 1, 3 and
 the automatic choice (the combine kernel); output rows no request owns (zeros); outputs poisoned
@@ -98,3 +98,20 @@ print("interp-ok")
 @pytest.mark.parametrize("dtype", ["fp16", "fp32"])
 def test_triton_block_attention_interpreter_cpu(dtype):
     run_interpreted(_SCRIPT, dtype, timeout=900)
+
+
+# GQA groups that are not a power of two: the kernel pads the group to the next power of two and
+# masks the padding rows (their query loads, stores and sink loads)
+ODD_GQA_SHAPES = ((4, 3, 64), (16, 5, 64), (4, 6, 128))
+
+_SCRIPT_ODD = r"""
+import torch, dflash_ops
+import tests.test_triton_attention_interp as t
+t.check_block_attention("cpu", dtypes=(torch.float32,), splits_list=(1, 3),
+                        shapes=t.ODD_GQA_SHAPES)
+print("interp-ok")
+"""
+
+
+def test_triton_block_attention_odd_gqa_interpreter_cpu():
+    run_interpreted(_SCRIPT_ODD, timeout=900)

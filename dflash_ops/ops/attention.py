@@ -72,8 +72,8 @@ def _check_attn(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, sca
              contiguous=True)
     C.tensor(op, "query_start_loc", query_start_loc, shape=(b + 1,), dtype=torch.int32,
              device=dev, contiguous=True)
-    if not (scale > 0):
-        C.fail(op, f"scale must be > 0, got {scale}")
+    if not (0 < scale < float("inf")):
+        C.fail(op, f"scale must be finite and > 0, got {scale}")
     if sinks is not None:
         C.tensor(op, "sinks", sinks, shape=(hq,), dtype=torch.float32, device=dev,
                  contiguous=True)
@@ -270,6 +270,8 @@ def bad_samples() -> dict:
         ("query_start_loc-meta", to("query_start_loc", device=META), "query_start_loc"),
         ("scale-zero", set_(scale=0.0), "scale"),
         ("scale-negative", set_(scale=-0.125), "scale"),
+        ("scale-inf", set_(scale=float("inf")), "scale"),
+        ("scale-nan", set_(scale=float("nan")), "scale"),
         ("sinks-shape", set_(sinks=torch.randn(2)), "sinks"),
         ("sinks-bf16", to("sinks", dtype=BF16), "sinks"),
         ("sinks-meta", to("sinks", device=META), "sinks"),

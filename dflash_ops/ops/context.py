@@ -148,7 +148,7 @@ def samples(device, dtype) -> dict:
                     bias=m.rnd(64) if with_bias else None)
 
     def context(with_bias, with_hidden_norm, seed, is_neox=True, rotary_dim=64,
-                hidden_rms=False):
+                hidden_rms=False, strided_norm=False):
         m = Maker(seed, device, dtype)
         n_layers, hkv, d, h = 2, 2, 64, 32
         n = n_layers * 2 * hkv * d
@@ -157,8 +157,9 @@ def samples(device, dtype) -> dict:
                     bias=m.rnd(n) if with_bias else None, k_weight=m.rnd(n_layers, d),
                     positions=m.positions(5), cos_sin_cache=m.cos_sin(rotary_dim),
                     slot_mapping=m.ints([3, -1, 0, 9, 15]), k_caches=kc, v_caches=vc, eps=EPS,
-                    is_neox=is_neox, hidden_norm_weight=m.rnd(h) if with_hidden_norm else None,
-                    hidden_rms=hidden_rms)
+                    is_neox=is_neox, hidden_norm_weight=(
+                        (m.rnd(2 * h)[::2] if strided_norm else m.rnd(h)) if with_hidden_norm
+                        else None), hidden_rms=hidden_rms)
 
     return {
         "kv_proj": {"bias": proj(True, 15), "nobias": proj(False, 16)},
@@ -167,7 +168,8 @@ def samples(device, dtype) -> dict:
                         "gptj-partial": context(False, True, 19, is_neox=False, rotary_dim=32),
                         "bias-hidden_rms": context(True, False, 20, hidden_rms=True),
                         "gptj-hidden_rms": context(False, False, 21, is_neox=False,
-                                                   hidden_rms=True)},
+                                                   hidden_rms=True),
+                        "strided-hidden_norm": context(True, True, 22, strided_norm=True)},
     }
 
 

@@ -12,7 +12,9 @@ Device values: the contract is that a request whose row is outside ``[0, N)`` or
 ``n_out[row] < 0`` commits nothing (kept 0, done False, ctx_pos -1; no state or token written),
 a draft token outside ``[0, V)`` is rejected by ``sample_commit_``, tokens past out_tokens' W
 columns are not written, and a ``prepare_step_`` row outside ``[0, N)`` gets the padding entry;
-``DFLASH_OPS_DEBUG=1`` raises on such rows and counts (every backend). The torch references
+``DFLASH_OPS_DEBUG=1`` raises on such rows and counts (every backend). A commit's rows must be
+distinct: two requests naming one slot leave that slot's state and tokens undefined (still
+within the buffers); ``DFLASH_OPS_DEBUG=1`` raises on it. The torch references
 and the Triton kernels both keep it (tests/test_hostile_inputs.py, with guard memory around
 every tensor).
 
@@ -256,6 +258,8 @@ def check_commit_args(op: str, block, rows, n_out, start, last, out_tokens, stop
     if probs is not None:
         p, q = probs[0], probs[1]
         v = p.shape[-1] if p.dim() == 3 else -1
+        if v == 0:
+            C.fail(op, f"p must have a vocabulary of V >= 1 (its last dim), got {_desc(p)}")
         kq = v  # q's last dim: the vocabulary, or k candidates when sparse
         if q_idx is not None:
             kq = q.shape[-1] if q.dim() == 3 else -1
@@ -286,8 +290,9 @@ def _check_commit_outputs(op: str, block, kept, done, ctx_pos) -> None:
 
 
 def _debug_rows(op: str, rows, n_out=None, n: Optional[int] = None) -> None:
-    """``DFLASH_OPS_DEBUG=1``: rows in [0, N) and (commits) n_out[rows] >= 0; the ops skip
-    such requests otherwise."""
+    """``DFLASH_OPS_DEBUG=1``: rows in [0, N) and (commits) n_out[rows] >= 0, the ops skip
+    such requests otherwise; (commits) rows distinct: two requests committing into one state
+    slot leave that slot's state and tokens undefined otherwise."""
     n = n_out.shape[0] if n_out is not None else n
     bad = (rows < 0) | (rows >= n)
     if bool(bad.any()):
@@ -295,6 +300,11 @@ def _debug_rows(op: str, rows, n_out=None, n: Optional[int] = None) -> None:
                    f"{rows[bad].tolist()[:8]} at {bad.nonzero()[:, 0].tolist()[:8]}")
     if n_out is not None and rows.numel() and bool((n_out[rows] < 0).any()):
         C.fail(op, f"n_out must be >= 0 at rows, got {n_out[rows].tolist()[:8]}")
+    if n_out is not None and rows.numel() > 1:
+        uniq, counts = torch.unique(rows, return_counts=True)
+        if bool((counts > 1).any()):
+            C.fail(op, f"rows must be distinct (one request a state slot), got "
+                       f"{uniq[counts > 1].tolist()[:8]} more than once")
 
 
 def _check_pairs(ctx_rows, ctx_pos, ctx_req_out, ctx_pos_out) -> None:
@@ -639,6 +649,8 @@ def bad_samples() -> dict:
             ("p-float64", to("p", dtype=torch.float64), "p"),
             ("p-vocab-stride",
              set_(p=lambda kw: kw["p"].transpose(1, 2).contiguous().transpose(1, 2)), "p"),
+            ("p-empty-vocab", set_(p=lambda kw: kw["p"][..., :0], q=lambda kw: kw["q"][..., :0]),
+             "p"),
             ("q-shape", sliced("q", (slice(None), slice(None, -1))), "q"),
             ("u-shape", sliced("u", (slice(None), slice(None, -1))), "u"),
             ("u_res-len", sliced("u_res", slice(None, -1)), "u_res"),

@@ -53,6 +53,8 @@ def expand_weight(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.dim() == 1:
         return weight
     t, d, g = x.shape[0], x.shape[-1], weight.shape[0]
+    if g == 0:  # no groups: x has no rows per token either (the checks' divisibility rule)
+        return weight.new_empty(*x.shape[1:-1], d)
     inner = x[0].numel() // d if t else x.shape[1:-1].numel()
     w = weight.repeat_interleave(inner // g, dim=0)  # [inner, D]
     return w.view(*x.shape[1:-1], d)

@@ -6,7 +6,8 @@ tokens ``cand [R, J, k]`` (the top-k of that row's logits) and a projected hidde
 ``anchor [R]`` (the block's first token):
 
     score[r, j, i] = unary[r, j, i] + sum_d pred[prev, d] * hidden[r, j, d] * succ[cand[r, j, i], d]
-    temperature 0: pick = argmax_i score (the first maximum)
+    temperature 0: pick = argmax_i score (the first maximum; the first NaN if any, as
+                   torch.argmax)
     temperature T > 0: q[r, j] = softmax(score / T); pick = the first i whose running sum of q
                        exceeds u[r, j] (given uniforms: graph-capturable, reproducible)
     prev = cand[r, j, pick];  path[r, j] = prev

@@ -1,8 +1,9 @@
 """Triton ``block_attention``: each request's query block over its paged K/V, split along the keys.
 
 One program per (request b, KV head, split s). Its tile is all query tokens of the request (in
-chunks of BLOCK_Q) times the GQA group G (BLOCK_Q * G rows: row r is token r // G, query head
-kvh * G + r % G), so each request's K/V is read once per KV head and split. The program walks its
+chunks of BLOCK_Q) times the GQA group G padded to a power of two GP (BLOCK_Q * GP rows: row r is
+token r // GP, query head kvh * G + r % GP, masked where r % GP >= G), so each request's K/V is
+read once per KV head and split. The program walks its
 share of the request's visible key range in BLOCK_N-key tiles (block table lookups per key, any
 cache strides), with an online softmax in the log2 domain (fp32 scores and accumulator).
 
@@ -55,17 +56,17 @@ def _dot(a, b):
 
 
 @triton.jit
-def _zero_rows(out_ptr, t_lo, t_hi, kvh, o_st_t, o_st_h, G: tl.constexpr, D: tl.constexpr,
-               BLOCK_Q: tl.constexpr):
+def _zero_rows(out_ptr, t_lo, t_hi, kvh, o_st_t, o_st_h, G: tl.constexpr, GP: tl.constexpr,
+               D: tl.constexpr, BLOCK_Q: tl.constexpr):
     # out[t, kvh*G:(kvh+1)*G, :] = 0 for t in [t_lo, t_hi)
-    r = tl.arange(0, BLOCK_Q * G)
+    r = tl.arange(0, BLOCK_Q * GP)
     d = tl.arange(0, D)
-    hh = kvh * G + r % G
+    hh = kvh * G + r % GP
     for t0 in range(t_lo, t_hi, BLOCK_Q):
-        t = t0 + r // G
+        t = t0 + r // GP
         ptr = out_ptr + t.to(tl.int64)[:, None] * o_st_t + (hh * o_st_h)[:, None] + d[None, :]
-        zero = tl.zeros((BLOCK_Q * G, D), dtype=out_ptr.dtype.element_ty)
-        tl.store(ptr, zero, mask=(t < t_hi)[:, None])
+        zero = tl.zeros((BLOCK_Q * GP, D), dtype=out_ptr.dtype.element_ty)
+        tl.store(ptr, zero, mask=((t < t_hi) & (r % GP < G))[:, None])
 
 
 @triton.jit
@@ -86,7 +87,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, qsl_ptr, sink_ptr, out_ptr
                  lse_ptr, Tq, B, HKV, M, NB, BS, scale2, window, split_keys,
                  q_st_t, q_st_h, k_st_b, k_st_r, k_st_h, v_st_b, v_st_r, v_st_h, bt_st,
                  o_st_t, o_st_h, op_st_s, op_st_t, op_st_h, lse_st_s, lse_st_t,
-                 G: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
+                 G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
                  BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, CAUSAL: tl.constexpr,
                  HAS_SINKS: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
@@ -95,18 +96,20 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, qsl_ptr, sink_ptr, out_ptr
     s = tl.program_id(1)
     b = pid // HKV
     kvh = pid % HKV
-    BLOCK_M: tl.constexpr = BLOCK_Q * G
+    BLOCK_M: tl.constexpr = BLOCK_Q * GP
     q0, qlen, tb, te = _query_rows(qsl_ptr, b, Tq)
     seq = tl.minimum(tl.maximum(tl.load(sl_ptr + b), 0), M * BS)
+    s64 = s.to(tl.int64)  # s * the partials' split stride may pass 2^31
 
     r = tl.arange(0, BLOCK_M)
-    tok = (r // G).to(tl.int64)  # qt may pass 2^31 (a huge query_start_loc)
-    hh = kvh * G + r % G
+    tok = (r // GP).to(tl.int64)  # qt may pass 2^31 (a huge query_start_loc)
+    hh = kvh * G + r % GP
+    head_ok = r % GP < G  # GP - G padding rows of a group that is not a power of two
     d = tl.arange(0, D)
     jn = tl.arange(0, BLOCK_N)
     bt_row = bt_ptr + b.to(tl.int64) * bt_st
     for qt in range(tb, te, BLOCK_Q):
-        row_ok = qt + tok < te
+        row_ok = (qt + tok < te) & head_ok
         t = q0 + qt + tok
         q = tl.load(q_ptr + t[:, None] * q_st_t + (hh * q_st_h)[:, None] + d[None, :],
                     mask=row_ok[:, None], other=0.0)
@@ -180,30 +183,31 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, qsl_ptr, sink_ptr, out_ptr
         lse2 = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
         if SPLITS == 1:
             if HAS_SINKS:
-                sink2 = tl.load(sink_ptr + hh).to(tl.float32) * 1.4426950408889634
+                sink2 = tl.load(sink_ptr + hh, mask=head_ok, other=0.0).to(tl.float32) * 1.4426950408889634
                 o = o * (1.0 / (1.0 + tl.exp2(sink2 - tl.where(seen, lse2, 0.0))))[:, None]
             optr = out_ptr + t[:, None] * o_st_t + (hh * o_st_h)[:, None] + d[None, :]
             tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
         else:
-            pptr = (op_ptr + s * op_st_s + t[:, None] * op_st_t
+            pptr = (op_ptr + s64 * op_st_s + t[:, None] * op_st_t
                     + (hh * op_st_h)[:, None] + d[None, :])
             wrote = row_ok & ((start + tok * 0) < end)  # an empty split writes only its lse
             tl.store(pptr, o, mask=wrote[:, None])
-            tl.store(lse_ptr + s * lse_st_s + t * lse_st_t + hh, lse2, mask=row_ok)
+            tl.store(lse_ptr + s64 * lse_st_s + t * lse_st_t + hh, lse2, mask=row_ok)
 
     if s == 0:  # rows no request owns: zeros
         if b == 0:
-            _zero_rows(out_ptr, 0, tl.minimum(tl.maximum(q0, 0), Tq), kvh, o_st_t, o_st_h, G, D,
-                       BLOCK_Q)
+            _zero_rows(out_ptr, 0, tl.minimum(tl.maximum(q0, 0), Tq), kvh, o_st_t, o_st_h, G, GP,
+                       D, BLOCK_Q)
         if b == B - 1:
             q_end = tl.load(qsl_ptr + b + 1).to(tl.int64)
             _zero_rows(out_ptr, tl.minimum(tl.maximum(q_end, 0), Tq), Tq, kvh, o_st_t, o_st_h,
-                       G, D, BLOCK_Q)
+                       G, GP, D, BLOCK_Q)
 
 
 @triton.jit
 def _combine_kernel(qsl_ptr, sink_ptr, out_ptr, op_ptr, lse_ptr, Tq, HKV, o_st_t, o_st_h, op_st_s,
-                    op_st_t, op_st_h, lse_st_s, lse_st_t, G: tl.constexpr, D: tl.constexpr,
+                    op_st_t, op_st_h, lse_st_s, lse_st_t, G: tl.constexpr, GP: tl.constexpr,
+                    D: tl.constexpr,
                     BLOCK_Q: tl.constexpr, SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
                     PDL: tl.constexpr):
     if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
@@ -211,27 +215,29 @@ def _combine_kernel(qsl_ptr, sink_ptr, out_ptr, op_ptr, lse_ptr, Tq, HKV, o_st_t
     pid = tl.program_id(0)
     b = pid // HKV
     kvh = pid % HKV
-    BLOCK_M: tl.constexpr = BLOCK_Q * G
+    BLOCK_M: tl.constexpr = BLOCK_Q * GP
     q0, qlen, tb, te = _query_rows(qsl_ptr, b, Tq)
     r = tl.arange(0, BLOCK_M)
-    hh = kvh * G + r % G
+    hh = kvh * G + r % GP
     d = tl.arange(0, D)
-    tok = (r // G).to(tl.int64)
+    tok = (r // GP).to(tl.int64)
+    head_ok = r % GP < G
+    z64 = tl.zeros((), dtype=tl.int64)  # split offsets in int64: s * the split stride may pass 2^31
     for qt in range(tb, te, BLOCK_Q):
-        row_ok = qt + tok < te
+        row_ok = (qt + tok < te) & head_ok
         t = q0 + qt + tok
         m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         for s in range(SPLITS):
-            m = tl.maximum(m, tl.load(lse_ptr + s * lse_st_s + t * lse_st_t + hh, mask=row_ok,
+            m = tl.maximum(m, tl.load(lse_ptr + (s + z64) * lse_st_s + t * lse_st_t + hh, mask=row_ok,
                                       other=float("-inf")))
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         den = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
         for s in range(SPLITS):
-            lse = tl.load(lse_ptr + s * lse_st_s + t * lse_st_t + hh, mask=row_ok,
+            lse = tl.load(lse_ptr + (s + z64) * lse_st_s + t * lse_st_t + hh, mask=row_ok,
                           other=float("-inf"))
             w = tl.exp2(lse - m_safe)  # 0 for an empty split
-            part = tl.load(op_ptr + s * op_st_s + t[:, None] * op_st_t + (hh * op_st_h)[:, None]
+            part = tl.load(op_ptr + (s + z64) * op_st_s + t[:, None] * op_st_t + (hh * op_st_h)[:, None]
                            + d[None, :], mask=(row_ok & (lse > float("-inf")))[:, None],
                            other=0.0)
             acc += w[:, None] * part
@@ -240,7 +246,7 @@ def _combine_kernel(qsl_ptr, sink_ptr, out_ptr, op_ptr, lse_ptr, Tq, HKV, o_st_t
         o = tl.where(seen[:, None], acc / tl.where(seen, den, 1.0)[:, None], 0.0)
         if HAS_SINKS:
             lse_tot = m_safe + tl.log2(tl.where(seen, den, 1.0))
-            sink2 = tl.load(sink_ptr + hh).to(tl.float32) * 1.4426950408889634
+            sink2 = tl.load(sink_ptr + hh, mask=head_ok, other=0.0).to(tl.float32) * 1.4426950408889634
             o = o * (1.0 / (1.0 + tl.exp2(sink2 - lse_tot)))[:, None]
         tl.store(out_ptr + t[:, None] * o_st_t + (hh * o_st_h)[:, None] + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -271,14 +277,15 @@ def block_attention_out_(q, k_cache, v_cache, block_table, seq_lens, query_start
     tq, hq, d = q.shape
     nb, bs, hkv, _ = k_cache.shape
     b, m = block_table.shape
-    if tq == 0:
+    if tq == 0 or hq == 0:
         return
     if b == 0:
         out.zero_()
         return
     g = hq // hkv
-    block_q = _block_q(g, d)
-    while block_q * g < 16:  # tl.dot needs >= 16 rows
+    gp = triton.next_power_of_2(g)  # a tile's rows are BLOCK_Q * gp (padding rows masked)
+    block_q = _block_q(gp, d)
+    while block_q * gp < 16:  # tl.dot needs >= 16 rows
         block_q *= 2
     if split_keys:
         n_split = triton.cdiv(m * bs, split_keys)
@@ -300,14 +307,14 @@ def block_attention_out_(q, k_cache, v_cache, block_table, seq_lens, query_start
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         out.stride(0), out.stride(1), part.stride(0), part.stride(1), part.stride(2),
         lse.stride(0), lse.stride(1),
-        G=g, D=d, BLOCK_Q=block_q, BLOCK_N=block_n, SPLITS=n_split, CAUSAL=bool(causal),
+        G=g, GP=gp, D=d, BLOCK_Q=block_q, BLOCK_N=block_n, SPLITS=n_split, CAUSAL=bool(causal),
         HAS_SINKS=sinks is not None, NUM_STAGES=num_stages or 2, num_warps=num_warps or 4,
         num_stages=2, **pdl_kwargs(q.device))
     if n_split > 1:
         _combine_kernel[(b * hkv,)](
             query_start_loc, sink, out, part, lse, tq, hkv, out.stride(0), out.stride(1),
             part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-            G=g, D=d, BLOCK_Q=block_q, SPLITS=n_split, HAS_SINKS=sinks is not None,
+            G=g, GP=gp, D=d, BLOCK_Q=block_q, SPLITS=n_split, HAS_SINKS=sinks is not None,
             num_warps=4, **pdl_kwargs(q.device))
 
 

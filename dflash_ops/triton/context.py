@@ -756,8 +756,10 @@ def context_kv_(x, w_kv, bias, k_weight, positions, cos_sin_cache, slot_mapping,
     cfg = cfg or context_config(t, d, x.element_size())
     if hidden_rms and hidden_norm_weight is None:  # the weight is in w_kv: a norm of ones
         hidden_norm_weight = torch.ones(h, dtype=x.dtype, device=x.device)
-    if hidden_norm_weight is not None:  # the norm pass reads rows with unit column stride
-        x = _rms_norm(x if x.stride(1) == 1 else x.contiguous(), hidden_norm_weight, eps)
+    if hidden_norm_weight is not None:  # the norm pass reads rows and the weight with unit stride
+        w = hidden_norm_weight
+        x = _rms_norm(x if x.stride(1) == 1 else x.contiguous(),
+                      w if w.stride(0) == 1 else w.contiguous(), eps)
     if cfg.split:  # the GEMM, then the epilogue alone over its output
         kv = kv_proj(x, w_kv, bias)
         src, tma, bias = kv, False, None

@@ -52,8 +52,11 @@ def _walk_kernel(unary_ptr, cand_ptr, hid_ptr, anchor_ptr, pred_ptr, succ_ptr, u
             pick = tl.min(tl.where(over, i, BK), axis=0)
             pick = tl.where(pick < K, pick, K - 1)
         else:
-            best = tl.max(score, axis=0)
-            pick = tl.min(tl.where((score == best) & ik, i, BK), axis=0)
+            # the first NaN if the row has one (torch.argmax's rule), else the first maximum
+            nan = (score != score) & ik
+            best = tl.max(tl.where(nan, float("-inf"), score), axis=0)
+            hit = tl.where(tl.max(nan.to(tl.int32), axis=0) > 0, nan, (score == best) & ik)
+            pick = tl.min(tl.where(hit, i, BK), axis=0)
             q = tl.where(i == pick, 1.0, 0.0)
         tl.store(q_ptr + row * K + i, q, mask=ik)
         prev = tl.sum(tl.where(i == pick, c, 0), axis=0)
@@ -71,7 +74,7 @@ def select_candidates(unary, cand, hidden, anchor, pred, succ, temperature: floa
     _walk_kernel[(r,)](unary, cand, hidden, anchor, pred, succ, u if sample else unary, path, q,
                        j, k, rank, pred.shape[0], float(temperature) if sample else 1.0,
                        SAMPLE=sample, BK=triton.next_power_of_2(k),
-                       BR=triton.next_power_of_2(rank), num_warps=4, **pdl_kwargs(unary.device))
+                       BR=triton.next_power_of_2(max(rank, 1)), num_warps=4, **pdl_kwargs(unary.device))
     return path, q
 
 
