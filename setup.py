@@ -15,10 +15,12 @@ ext_modules, cmdclass = [], {}
 def _want_cuda() -> bool:
     if os.environ.get("DFLASH_OPS_NO_CUDA", "0") == "1":
         return False
+    # An isolated build env has torch (pyproject.toml's build requirements), but a fresh one from
+    # the index, maybe not the torch the extension will run with: hence --no-build-isolation.
     try:
         import torch
         from torch.utils.cpp_extension import CUDA_HOME
-    except Exception:  # torch missing in an isolated build env: pure-Python install
+    except Exception:  # torch not importable (--no-build-isolation without torch): pure Python
         return False
     return torch.version.cuda is not None and CUDA_HOME is not None
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 
@@ -26,6 +27,22 @@ def int_at_least(low: int, why: str = ""):
             value = None
         if value is None or value < low:
             raise argparse.ArgumentTypeError(f"got {text!r}; allowed: an integer >= {low}{why}")
+        return value
+
+    return parse
+
+
+def int_in(low: int, high: int, why: str = ""):
+    """An argparse type: an integer in ``low .. high``; the error names what was given and the
+    range."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"got {text!r}; allowed: an integer {low} .. "
+                                             f"{high}{why}")
         return value
 
     return parse
@@ -105,17 +122,27 @@ def _info(args) -> int:
     st = _ext.STATUS
     print(f"CUDA extension: {st['how']} ({st['detail']})")
     print(linear_table_line())
+    forced = os.environ.get("DFLASH_OPS_BACKEND", "").strip().lower()
+    if forced:
+        print(f"backend forced by DFLASH_OPS_BACKEND={forced}: every op runs {forced}; a call of "
+              f"an op without a {forced} kernel (marked 'missing') raises "
+              f"BackendUnavailableError")
     print()
     # default: the op's declared backend on CUDA (every call recorded into a CUDA graph); eager:
     # the declared one for calls outside capture, where it differs; runs: what an eager / a
-    # captured CUDA call resolves to here (unless a kernel is absent or a backend is forced)
+    # captured CUDA call resolves to here (unless a kernel is absent or a backend is forced);
+    # a forced backend without the op's kernel shows as "<backend> (missing)"
     print(f"{'op':<22} {'torch':<6} {'triton':<7} {'cuda':<5} {'default':<8} {'eager':<7} "
           f"runs on CUDA (eager / graph)")
+
+    def runs(name, graph):
+        b = dispatch.resolve(name, "cuda", graph=graph)
+        return b if dispatch.has_backend(name, b) else f"{b} (missing)"
+
     for name, op in sorted(dispatch.ops().items()):
         have = [("yes" if dispatch.has_backend(name, b) else "-") for b in dispatch.BACKENDS]
         print(f"{name:<22} {have[0]:<6} {have[1]:<7} {have[2]:<5} {op.default:<8} "
-              f"{op.eager or '-':<7} {dispatch.resolve(name, 'cuda')} / "
-              f"{dispatch.resolve(name, 'cuda', graph=True)}")
+              f"{op.eager or '-':<7} {runs(name, False)} / {runs(name, True)}")
     return 0
 
 

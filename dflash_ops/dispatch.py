@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import warnings
 from typing import Callable, Dict, Iterable, Optional
@@ -397,9 +398,36 @@ def capture_graph(fn: Callable, device=None):
     return g, out
 
 
+def backend_env_error() -> Optional[str]:
+    """What is wrong with ``DFLASH_OPS_BACKEND`` (one line naming it, the allowed values and the
+    value given), or None when it is unset, empty or one of ``BACKENDS``."""
+    raw = os.environ.get("DFLASH_OPS_BACKEND", "")
+    if not raw.strip() or raw.strip().lower() in BACKENDS:
+        return None
+    return (f"DFLASH_OPS_BACKEND: got {raw!r}; allowed: {', '.join(BACKENDS)} (or unset: no "
+            f"backend forced)")
+
+
+def _running_cli() -> bool:
+    """Whether this process is the ``dflash-ops`` command (its console script, or ``python -m
+    dflash_ops`` / ``python -m dflash_ops.cli``): its import of the package is the first thing
+    it does, before ``cli.main`` could catch anything."""
+    if os.path.basename(sys.argv[0] if sys.argv else "").removesuffix(".exe") == "dflash-ops":
+        return True
+    argv = list(getattr(sys, "orig_argv", ()))
+    return any(a == "-m" and argv[i + 1:i + 2] in (["dflash_ops"], ["dflash_ops.cli"])
+               for i, a in enumerate(argv))
+
+
 def _init_from_env() -> None:
+    """Force ``DFLASH_OPS_BACKEND``'s backend (at import). A bad value raises ValueError for a
+    library user; the ``dflash-ops`` command prints it as its one-line error and exits 2."""
+    bad = backend_env_error()
+    if bad:
+        if _running_cli():
+            print(f"dflash-ops: error: {bad}", file=sys.stderr)
+            raise SystemExit(2)
+        raise ValueError(bad)
     env = os.environ.get("DFLASH_OPS_BACKEND", "").strip().lower()
     if env:
-        if env not in BACKENDS:
-            raise ValueError(f"DFLASH_OPS_BACKEND must be one of {BACKENDS}, got {env!r}")
         _global_force[None] = env

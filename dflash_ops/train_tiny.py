@@ -1,5 +1,6 @@
 """``dflash-ops train-tiny``: train the built-in tiny pair (a byte-level Qwen3 target and a DFlash
-drafter for it) from Python standard-library source, on CPU in minutes or on a GPU.
+drafter for it) from Python standard-library source, on a CPU (about 20-40 minutes on 2 cores)
+or a GPU.
 
 Data: ``MODULES``, a fixed list of pure-Python standard-library files present in 3.11 and 3.12,
 read from this interpreter's stdlib at training time (their SHA-256 is recorded in the saved
@@ -28,6 +29,7 @@ import math
 import os
 import sys
 import sysconfig
+import tempfile
 import time
 
 import torch
@@ -90,14 +92,24 @@ def drafter_config_dict() -> dict:
                 dflash_config={"mask_token_id": MASK, "target_layer_ids": list(TAPS)})
 
 
-def _imports():
+def _import_failure():
+    """None when transformers and dflash.model import; else what is missing and how to install
+    it (one line)."""
     try:
-        import transformers
-        import dflash.model as dm
+        import transformers  # noqa: F401
+        import dflash.model  # noqa: F401
     except ImportError as e:
-        raise RuntimeError(f"train-tiny needs transformers and the dflash package ({e}); "
-                           f"install them: pip install transformers && pip install --no-deps "
-                           f"dflash") from None
+        return (f"transformers and the dflash package ({e}); install them: pip install "
+                f"transformers && pip install --no-deps dflash")
+    return None
+
+
+def _imports():
+    why = _import_failure()
+    if why:
+        raise RuntimeError(f"train-tiny needs {why}")
+    import transformers
+    import dflash.model as dm
     return transformers, dm
 
 
@@ -218,7 +230,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("train-tiny", help="train the built-in tiny pair from stdlib source",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, metavar="DIR",
-                   help="where target/ (HF format) and drafter/ (z-lab format) are written")
+                   help="where target/ (HF format) and drafter/ (z-lab format) are written "
+                        "(created if absent, checked before training; required)")
     p.add_argument("--target-steps", type=int_at_least(1), default=400,
                    help="target optimiser steps of 16 x 256 bytes (default: %(default)s)")
     p.add_argument("--draft-steps", type=int_at_least(1), default=600,
@@ -231,7 +244,26 @@ def add_parser(sub) -> None:
                         "pair's)")
 
 
+def _check_out(out: str) -> None:
+    """Create ``--out`` and write a probe file in it, so that a path that cannot hold the pair
+    fails now, not after training."""
+    from .cli import UsageError
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise UsageError(f"argument --out: got {out!r}, which cannot be created or written "
+                         f"({e.strerror or e}); allowed: a writable directory, existing or "
+                         f"not") from None
+
+
 def run(args) -> int:
+    from .cli import UsageError
+    why = _import_failure()  # before anything else: training needs both
+    if why:
+        raise UsageError(f"needs {why}")
+    _check_out(args.out)
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
     ids, sha, root = corpus()
     train = ids[:-VAL_BYTES]

@@ -3,6 +3,7 @@ the runners under benchmarks/) and the host-overhead table by backend (``columns
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import types
@@ -100,3 +101,77 @@ def test_backend_host_table_runs_each_backend_it_names(monkeypatch, syncs):
     assert row["default us"] == 1 and row["triton us"] == 2 and row["cuda us"] is None
     assert row["torch us"] == (None if syncs else 3)
     assert ("torch: not measured (synchronises)" in row["note"]) == bool(syncs)
+
+
+def _one_error_line(capsys) -> str:
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert out == "" and len(lines) == 1, (out, err)
+    assert lines[0].startswith("dflash-ops bench: error: "), lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("value", ["5", "-1", "two"])
+def test_policy_share_out_of_range_is_one_line(value, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        harness.main(["policy", "--share", value])
+    assert e.value.code == 2
+    line = _one_error_line(capsys)
+    assert f"argument --share: got '{value}'; allowed: an integer 0 .. 4" in line, line
+
+
+@pytest.mark.parametrize("suite, var, value, message", [
+    ("policy", "DFLASH_OPS_BENCH_POLICY_CASES", "2x1q", "'2x1q' is not BxS"),
+    ("policy", "DFLASH_OPS_BENCH_POLICY_PS", "0.3", "'0.3' is not a comma-separated subset"),
+    ("drafter", "DFLASH_OPS_BENCH_DRAFTER_CASES", "1x1", "'1x1': need B >= 1 and S >= 16"),
+])
+@pytest.mark.parametrize("named", [True, False])
+def test_bad_bench_env_is_one_line_before_the_gpu_check(suite, var, value, message, named,
+                                                        monkeypatch, capsys):
+    """On a machine without a GPU too: the suites' checks run before harness.main's GPU check
+    (before, a CPU run said "needs a CUDA GPU", a GPU run ended in a ValueError traceback)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv(var, value)
+    assert harness.main([suite] if named else []) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(f"dflash-ops bench: error: {var}: ") and message in line, line
+
+
+def test_a_bench_env_error_raised_in_run_is_one_line(fake_suite, monkeypatch, capsys):
+    from dflash_ops.bench import harness as h
+    mod = sys.modules[h.SUITES["fake"][0]]
+
+    def run(quick=False, tables=None):
+        raise ValueError("DFLASH_OPS_BENCH_FAKE_CASES: 'x' is not BxS")
+
+    monkeypatch.setattr(mod, "run", run)
+    assert harness.main(["fake"]) == 2
+    assert _one_error_line(capsys) == ("dflash-ops bench: error: DFLASH_OPS_BENCH_FAKE_CASES: "
+                                       "'x' is not BxS")
+
+    def broken(quick=False, tables=None):
+        raise ValueError("a bug, not a setting")
+
+    monkeypatch.setattr(mod, "run", broken)
+    with pytest.raises(ValueError, match="a bug"):  # other errors keep their traceback
+        harness.main(["fake"])
+
+
+def _vars_read(module_name: str) -> set:
+    import importlib
+    src = Path(importlib.import_module(module_name).__file__).read_text(encoding="utf-8")
+    return set(re.findall(r"[\"'](DFLASH_OPS_BENCH_\w+)[\"']", src))
+
+
+def test_suite_env_lists_exactly_the_variables_each_suite_reads(capsys):
+    for name, (module, _) in harness.SUITES.items():
+        assert set(harness.SUITE_ENV.get(name, {})) == _vars_read(module), name
+    assert harness.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    for name, variables in harness.SUITE_ENV.items():
+        listed = out.split(f"\n{name} ", 1)[1].split("\n")
+        for var, what in variables.items():
+            assert any(line.strip() == var + what for line in listed[1:len(variables) + 1]), var
+            assert f"`{var}" in readme, var

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,6 +55,9 @@ BAD_VALUES = [
     (["--target", "/nonexistent/dir"], "--draft", "/nonexistent/dir"),
     (["--target", "/nonexistent/dir", "--draft", "/nonexistent/dir"], "--target",
      "/nonexistent/dir"),
+    # the built-in pair's max_position_embeddings (4096) bounds prompt + new tokens + block
+    (["--block-size", "5000"], "--block-size", "got 5000"),
+    (["--prompt-len", "4000", "--max-new-tokens", "96"], "--prompt-len", "got 4096"),
 ]
 
 
@@ -208,3 +215,156 @@ def test_linear_table_line(monkeypatch):
         monkeypatch.setattr(L, "_device_name", lambda i: name)
         assert cli.linear_table_line().startswith(f"linear table: holds on NVIDIA H200; here: "
                                                   f"{want}"), name
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("argv,limit", [
+    (["--block-size", "5000"], "allowed: 2 .. 4024 (the built-in pair's "
+                               "max_position_embeddings 4096 less --prompt-len + "
+                               "--max-new-tokens, 72)"),
+    (["--block-size", "4100", "--prompt-len", "4090"], "allowed: 2 .. 4094"),
+    (["--prompt-len", "4000", "--max-new-tokens", "96"], "allowed: at most 4088 (the built-in "
+                                                         "pair's max_position_embeddings 4096 "
+                                                         "less the block, 8)"),
+])
+def test_demo_positions_past_the_pairs_limit_are_one_line(argv, limit, capsys):
+    """Before this check --block-size 5000 ran out of memory and --prompt-len claimed 1 ..
+    49999 (the held-out text) as its range."""
+    line = _assert_usage_error(["demo", "--device", "cpu", *argv], argv[0], capsys)
+    assert limit in line, line
+
+
+def test_demo_positions_limit_comes_from_the_checkpoints_configs(tmp_path, capsys):
+    from dflash_ops.bench.drafter import QWEN3_8B_DFLASH
+
+    target = _write(tmp_path / "target", _qwen3_config(max_position_embeddings=128))
+    draft = _write(tmp_path / "draft", QWEN3_8B_DFLASH)  # config only: no weights needed
+    line = _assert_usage_error(["demo", "--device", "cpu", "--target", target, "--draft", draft,
+                                "--prompt-len", "100", "--max-new-tokens", "20"],
+                               "--prompt-len", capsys)
+    assert f"max_position_embeddings 128 of --target {target}" in line, line
+    assert "allowed: at most 112" in line  # 128 less the drafter's block 16
+
+
+def test_demo_exact_help_points_to_the_measured_cost(capsys):
+    rc, out, _ = _run(["demo", "--help"], capsys)
+    text = " ".join(out.split())
+    assert "not yet measured" not in text
+    assert "README.md gives its measured cost" in text
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert re.search(r"`--exact` runs exact mode.*?It costs: draft \+ verify iteration", readme,
+                     re.S)
+
+
+def _env(**over):
+    env = {k: v for k, v in os.environ.items() if k != "DFLASH_OPS_BACKEND"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env.update(over)
+    return env
+
+
+def test_bad_backend_env_is_one_line_for_the_command(tmp_path):
+    """DFLASH_OPS_BACKEND is read when the package is imported, before cli.main runs: the
+    command (its console script, python -m dflash_ops) prints one line and exits 2."""
+    script = tmp_path / "dflash-ops"  # what pip writes for [project.scripts]
+    script.write_text("import sys\nfrom dflash_ops.cli import main\n"
+                      "if __name__ == '__main__':\n    sys.exit(main())\n")
+    for cmd in ([sys.executable, str(script), "--help"],
+                [sys.executable, "-m", "dflash_ops", "info"]):
+        r = subprocess.run(cmd, cwd=tmp_path, env=_env(DFLASH_OPS_BACKEND="foo"),
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and r.stdout == "", (cmd, r.stdout, r.stderr)
+        assert r.stderr.splitlines() == [
+            "dflash-ops: error: DFLASH_OPS_BACKEND: got 'foo'; allowed: torch, triton, cuda "
+            "(or unset: no backend forced)"], (cmd, r.stderr)
+
+
+def test_bad_backend_env_raises_for_a_library_user(monkeypatch):
+    from dflash_ops import dispatch
+
+    monkeypatch.setenv("DFLASH_OPS_BACKEND", "Fast")
+    monkeypatch.setattr(sys, "argv", ["my_script.py"])
+    monkeypatch.setattr(sys, "orig_argv", ["python", "my_script.py"], raising=False)
+    with pytest.raises(ValueError, match=r"^DFLASH_OPS_BACKEND: got 'Fast'; allowed: torch, "
+                                         r"triton, cuda \(or unset"):
+        dispatch._init_from_env()
+    assert dispatch._global_force.get(None) is None
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/dflash-ops", "info"])  # the command
+    with pytest.raises(SystemExit) as e:
+        dispatch._init_from_env()
+    assert e.value.code == 2
+
+
+def test_info_names_a_forced_backend_and_marks_missing_kernels(monkeypatch, capsys):
+    """DFLASH_OPS_BACKEND=cuda without the extension: every call raises
+    BackendUnavailableError, so the table must not read as if cuda ran."""
+    from dflash_ops import dispatch
+
+    monkeypatch.setenv("DFLASH_OPS_BACKEND", "cuda")
+    monkeypatch.setitem(dispatch._global_force, None, "cuda")  # what the import did
+    monkeypatch.setattr(dispatch, "_cuda_cpp_ops", set())  # no extension
+    rc, out, _ = _run(["info"], capsys)
+    assert rc == 0
+    assert re.search(r"^backend forced by DFLASH_OPS_BACKEND=cuda: every op runs cuda; a call "
+                     r"of an op without a cuda kernel \(marked 'missing'\) raises "
+                     r"BackendUnavailableError$", out, re.M), out
+    for name in dispatch.ops():
+        assert re.search(rf"^{name} .* - +\w+ +\S+ +cuda \(missing\) / cuda \(missing\)$",
+                         out, re.M), name
+    monkeypatch.setenv("DFLASH_OPS_BACKEND", "torch")
+    monkeypatch.setitem(dispatch._global_force, None, "torch")
+    rc, out, _ = _run(["info"], capsys)
+    assert "(missing)" not in out and "DFLASH_OPS_BACKEND=torch" in out
+    assert re.search(r"^rms_norm .* torch / torch$", out, re.M)
+
+
+def test_info_without_a_forced_backend_has_no_forced_line(monkeypatch, capsys):
+    monkeypatch.delenv("DFLASH_OPS_BACKEND", raising=False)
+    rc, out, _ = _run(["info"], capsys)
+    assert rc == 0 and "forced" not in out and "(missing)" not in out
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    """train-tiny's packages reported present and its corpus read made to fail: a check that
+    should stop the command comes before any training."""
+    from dflash_ops import train_tiny
+
+    monkeypatch.setattr(train_tiny, "_import_failure", lambda: None, raising=False)
+
+    def corpus():
+        raise AssertionError("train-tiny started training")
+
+    monkeypatch.setattr(train_tiny, "corpus", corpus)
+
+
+def test_train_tiny_unwritable_out_is_one_line_before_training(tmp_path, no_training, capsys):
+    (tmp_path / "file").write_text("")
+    bad = str(tmp_path / "file" / "pair")  # under a regular file: fails as root too
+    line = _assert_usage_error(["train-tiny", "--out", bad], "--out", capsys)
+    assert f"got {bad!r}, which cannot be created or written (Not a directory); allowed: a " \
+           f"writable directory" in line, line
+
+
+def test_train_tiny_creates_out_before_training(tmp_path, no_training):
+    out = tmp_path / "a" / "b"
+    with pytest.raises(AssertionError, match="started training"):
+        main(["train-tiny", "--out", str(out)])
+    assert out.is_dir() and not os.listdir(out)  # created, the probe file gone
+
+
+def test_train_tiny_without_its_packages_is_one_line_before_anything(tmp_path, monkeypatch,
+                                                                      capsys):
+    from dflash_ops import train_tiny
+
+    monkeypatch.setitem(sys.modules, "dflash", None)  # import dflash.model: ImportError
+    monkeypatch.setitem(sys.modules, "dflash.model", None)
+    monkeypatch.setattr(train_tiny, "corpus", lambda: pytest.fail("read the corpus"))
+    out = tmp_path / "pair"
+    line = _assert_usage_error(["train-tiny", "--out", str(out)], "pip install --no-deps dflash",
+                               capsys)
+    assert "needs transformers and the dflash package (" in line, line
+    assert "install them: pip install transformers && pip install --no-deps dflash" in line
+    assert not out.exists()

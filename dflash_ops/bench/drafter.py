@@ -235,6 +235,12 @@ def cases(quick: bool = False) -> list:
     return list(QUICK_CASES if quick else CASES)
 
 
+def check_options(quick: bool = False) -> None:
+    """``harness.main``'s check before its GPU check: a bad ``ENV_CASES`` raises ValueError
+    naming it."""
+    cases(quick)
+
+
 def reference_missing() -> Optional[str]:
     """Why the reference column is n/a (None: it runs)."""
     if os.environ.get(ENV_REF, "1").strip() == "0":
@@ -243,7 +249,8 @@ def reference_missing() -> Optional[str]:
         for name in ("dflash.model", "transformers"):
             importlib.import_module(name)
     except Exception as e:  # noqa: BLE001 - not installed, or an import-time failure
-        return f"dflash / transformers not importable ({msg(e)}); pip install dflash transformers"
+        return (f"dflash / transformers not importable ({msg(e)}); pip install transformers "
+                f"&& pip install --no-deps dflash")
     return None
 
 

@@ -37,7 +37,9 @@ _SLEEP_CYCLES = 20_000_000  # ~10 ms of torch.cuda._sleep at ~2 GHz
 
 # name -> (module whose run(quick, **options) returns a Results, one-line description). A suite
 # module may define ``add_options(parser)``: its own command-line options, accepted when it is
-# the only suite named; their values reach ``run`` as keyword arguments.
+# the only suite named; their values reach ``run`` as keyword arguments; and
+# ``check_options(quick, **options)``: its checks of them and of its environment variables
+# (ValueError naming the bad one), run before the GPU check.
 SUITES = {
     "norm": ("dflash_ops.bench.norm",
              "rms_norm (K-norm [T,40,128] w[5,128]; hidden [T,4096]) and fused_add_rms_norm_: "
@@ -73,6 +75,28 @@ SUITES = {
             "B 1-64 x S 1k-8k: floors, implied speedup, GPU idle, host syncs"),
 }
 
+# The DFLASH_OPS_BENCH_* variables each suite reads (its docstring says more): name -> meaning.
+# ``dflash-ops bench --list`` prints them; tests/test_bench_cli.py checks this table against
+# the variables the suites' modules name, and the README against it.
+SUITE_ENV = {
+    "drafter": {
+        "DFLASH_OPS_BENCH_DRAFTER_CASES": "=BxS,... (e.g. 1x1024,64x4096): replaces the cases",
+        "DFLASH_OPS_BENCH_DRAFTER_REF": "=0: no dflash reference column",
+    },
+    "policy": {
+        "DFLASH_OPS_BENCH_POLICY_CASES": "=BxS,... (k = 1024, e.g. 32x1k,8x32k): replaces the "
+                                         "cases",
+        "DFLASH_OPS_BENCH_POLICY_PS": "=p,... (e.g. 0,0.2): only those p of the grid",
+        "DFLASH_OPS_BENCH_POLICY_TRACE": "=PATH: appends the timed policy runs' choices to PATH "
+                                         "(JSON lines)",
+    },
+    "e2e": {
+        "DFLASH_OPS_BENCH_E2E_CASES": "=BxS,... (k = 1024, e.g. 1x1k,64x8k): replaces the cases",
+        "DFLASH_OPS_BENCH_E2E_MEM_GB": "=GB: skips a case whose estimated memory is over it "
+                                       "(default 120)",
+        "DFLASH_OPS_BENCH_E2E_LOOP": "=0: skips the real-loop table",
+    },
+}
 
 # ----------------------------------------------------------------------------- timing
 
@@ -452,12 +476,16 @@ def name_list(known: Sequence[str], what: str) -> Callable[[str], List[str]]:
 
 
 def _parser(suite_module=None, add_help: bool = True) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflash-ops bench", add_help=add_help,
-                                description="Run dflash_ops benchmark suites on the CUDA GPU.")
+    from ..cli import Parser  # one-line errors, exit code 2
+
+    p = Parser(prog="dflash-ops bench", add_help=add_help,
+               description="Run dflash_ops benchmark suites on the CUDA GPU.")
     p.add_argument("names", nargs="*", help=f"suites to run (default: all of {list(SUITES)})")
     p.add_argument("--out", default=None, help="results directory (default ./benchmarks/results)")
     p.add_argument("--quick", action="store_true", help="fewer sizes, shorter timing")
-    p.add_argument("--list", action="store_true", help="list the suites and exit")
+    p.add_argument("--list", action="store_true",
+                   help="list the suites and the DFLASH_OPS_BENCH_* variables each reads, and "
+                        "exit")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
     if suite_module is not None:
         suite_module.add_options(p.add_argument_group(
@@ -482,21 +510,37 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.list:
         for name, (_, desc) in SUITES.items():
             print(f"{name:8s} {desc}")
+            for var, what in SUITE_ENV.get(name, {}).items():
+                print(f"{'':8s}   {var}{what}")
         return 0
     unknown = [n for n in a.names if n not in SUITES]
     if unknown:
         print(f"dflash-ops bench: unknown suite(s) {unknown}; suites are {list(SUITES)}",
               file=sys.stderr)
         return 2
+    common = {"names", "out", "quick", "list", "no_plot"}
+    options = {k: v for k, v in vars(a).items() if k not in common}
+    try:  # the suites' own checks of their options and variables, before the GPU check
+        for name in a.names or list(SUITES):
+            check = getattr(importlib.import_module(SUITES[name][0]), "check_options", None)
+            if check is not None:
+                check(quick=a.quick, **options)
+    except ValueError as e:
+        print(f"dflash-ops bench: error: {e}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print(f"dflash-ops bench: needs a CUDA GPU, and torch.cuda.is_available() is False "
               f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}). Nothing was run.",
               file=sys.stderr)
         return 1
-    common = {"names", "out", "quick", "list", "no_plot"}
-    options = {k: v for k, v in vars(a).items() if k not in common}
     for name in a.names or list(SUITES):
-        res = importlib.import_module(SUITES[name][0]).run(quick=a.quick, **options)
+        try:
+            res = importlib.import_module(SUITES[name][0]).run(quick=a.quick, **options)
+        except ValueError as e:  # a bad DFLASH_OPS_BENCH_* value a suite checks only in run
+            if not str(e).startswith("DFLASH_OPS_BENCH_"):
+                raise
+            print(f"dflash-ops bench: error: {e}", file=sys.stderr)
+            return 2
         if options:
             res.meta["options"] = {k: v for k, v in options.items() if v is not None}
         paths = res.write(a.out, plot=not a.no_plot)

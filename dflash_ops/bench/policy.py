@@ -480,7 +480,9 @@ def add_options(p) -> None:
                    help="compute every prompt token's K/V in each run's prefill (default: only "
                         "the last token's, see fast_prefill; tokens a second exclude the "
                         "prefill either way)")
-    p.add_argument("--share", type=int, default=0, metavar="N",
+    from ..cli import int_in
+    p.add_argument("--share", type=int_in(0, MAX_SHARE, " (0: the smallest that fits)"),
+                   default=0, metavar="N",
                    help=f"requests share their prompts' K/V blocks in groups of N (1 to "
                         f"{MAX_SHARE}; e2e.SharedContextCache: the same bytes read, a fraction "
                         f"of the memory; meant for long contexts at batch >= 8, where the "
@@ -496,17 +498,26 @@ def choose_share(need_of, free: int, forced: int = 0) -> int:
                  if need_of(k) + HEADROOM <= free), 0)
 
 
-def run(quick: bool = False, cases=None, real_prefill: bool = False, share: int = 0) -> Results:
-    from .e2e import (KV_BLOCK, build_models, install_caches, parse_cases,
-                      qwen3_8b_dflash_config, qwen3_8b_target_config, release_caches)
+def check_options(quick: bool = False, cases=None, real_prefill: bool = False,
+                  share: int = 0) -> tuple:
+    """(cases, ps): ``cases`` or ``ENV_CASES``'s, and ``ENV_PS``'s p (default P_GRID); a bad
+    variable or ``share`` raises ValueError naming it. ``harness.main`` calls it before its
+    GPU check, ``run`` before its own."""
+    from .e2e import parse_cases
     env = os.environ.get(ENV_CASES, "").strip()
     if env and cases is None:
-        cases = parse_cases(env, ENV_CASES)  # a bad value fails before the GPU check
+        cases = parse_cases(env, ENV_CASES)
     if not 0 <= share <= MAX_SHARE:
         raise ValueError(f"policy suite: --share must be in [0, {MAX_SHARE}] (0: the smallest "
                          f"that fits), got {share}")
     env_ps = os.environ.get(ENV_PS, "").strip()
-    ps = parse_ps(env_ps) if env_ps else P_GRID
+    return cases, (parse_ps(env_ps) if env_ps else P_GRID)
+
+
+def run(quick: bool = False, cases=None, real_prefill: bool = False, share: int = 0) -> Results:
+    from .e2e import (KV_BLOCK, build_models, install_caches, qwen3_8b_dflash_config,
+                      qwen3_8b_target_config, release_caches)
+    cases, ps = check_options(quick, cases, real_prefill, share)  # before the GPU check
     if not torch.cuda.is_available():
         raise RuntimeError("policy suite: needs a CUDA GPU; nothing was run.")
     grid = cases or (QUICK_CASES if quick else CASES)

@@ -38,12 +38,13 @@ SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _text_prompts(n: int, length: int, seed: int) -> list:
-    """``n`` windows of ``length`` bytes from the held-out end of train-tiny's stdlib text."""
+    """``n`` windows of ``length`` bytes from the held-out end of train-tiny's stdlib text (the
+    demo's limit on ``--prompt-len``, the pair's positions, is far below its length)."""
     from ..train_tiny import VAL_BYTES, corpus
     val = corpus()[0][-VAL_BYTES:]
     if length >= len(val):
-        raise UsageError(f"argument --prompt-len: got {length}; allowed with the built-in "
-                         f"pair: 1 .. {len(val) - 1}")
+        raise ValueError(f"_text_prompts: length {length}; allowed: 1 .. {len(val) - 1} (the "
+                         f"held-out text's bytes - 1)")
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(val) - length, (n,), generator=g)
     return [val[s:s + length].tolist() for s in starts]
@@ -79,6 +80,30 @@ def _load_failure(option: str, path: str, err: Exception, other: str = "") -> Us
     return UsageError(f"argument {option}: got {path!r}, which does not load{other}: {first}")
 
 
+def _check_positions(target_dir, draft_dir, tcfg, dcfg, block_size, new_positions) -> None:
+    """The demo's one limit on the positions a request reaches: prompt + new tokens + a block
+    (the last iteration drafts and verifies up to a block past its last token) within both
+    models' max_position_embeddings; else a UsageError naming the option and the limit."""
+    limit = min(tcfg.max_position_embeddings, dcfg.max_position_embeddings)
+    if os.path.abspath(target_dir) == os.path.join(SHIPPED, "target"):
+        why = f"the built-in pair's max_position_embeddings {limit}"
+    elif tcfg.max_position_embeddings == limit:
+        why = f"max_position_embeddings {limit} of --target {target_dir}"
+    else:
+        why = f"max_position_embeddings {limit} of --draft {draft_dir}"
+    block = block_size or dcfg.block_size
+    if new_positions + block <= limit:
+        return
+    if block_size and (new_positions + 2 <= limit or block_size > limit - 2):  # blame the block
+        most, less = ((limit - new_positions, f"--prompt-len + --max-new-tokens, {new_positions}")
+                      if new_positions + 2 <= limit else (limit - 2, "1 prompt and 1 new token"))
+        raise UsageError(f"argument --block-size: got {block_size}; allowed: 2 .. {most} ({why} "
+                         f"less {less})")
+    raise UsageError(f"argument --prompt-len / --max-new-tokens: got {new_positions} "
+                     f"positions together; allowed: at most {limit - block} ({why} less "
+                     f"the block, {block})")
+
+
 def _checkpoint_pair(target_dir, draft_dir, device, dtype, block_size, new_positions, batch):
     """(target, drafter) from checkpoint directories; a directory that is absent or does not
     load raises UsageError naming its option. ``new_positions``: prompt + new tokens a request
@@ -105,11 +130,12 @@ def _checkpoint_pair(target_dir, draft_dir, device, dtype, block_size, new_posit
         dcfg = DFlashConfig.from_pretrained(draft_dir)
     except load_errors as e:
         raise _load_failure("--draft", draft_dir, e) from None
-    if block_size:
-        dcfg = dcfg.replace(block_size=block_size)
-    elif dcfg.block_size < 2:
+    if not block_size and dcfg.block_size < 2:
         raise UsageError(f"argument --block-size: not given, and {draft_dir}/config.json has "
                          f"block_size {dcfg.block_size}; allowed: an integer >= 2")
+    _check_positions(target_dir, draft_dir, tcfg, dcfg, block_size, new_positions)
+    if block_size:
+        dcfg = dcfg.replace(block_size=block_size)
     max_len = new_positions + dcfg.block_size + 1
     slots = batch + 1  # + the steps' scratch request
     kw = dict(dtype=dtype, device=device, max_requests=slots, max_len=max_len,
@@ -395,7 +421,9 @@ def add_parser(sub) -> None:
                    help="requests decoded together (default: %(default)s)")
     p.add_argument("--prompt-len", type=int_at_least(1), default=24,
                    help="prompt tokens a request: stdlib text bytes for the built-in pair, "
-                        "random tokens for checkpoints (default: %(default)s)")
+                        "random tokens for checkpoints; prompt + new tokens + block within the "
+                        "models' max_position_embeddings (4096 for the built-in pair; default: "
+                        "%(default)s)")
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=48,
                    help="new tokens a request (default: %(default)s)")
     p.add_argument("--block-size", type=int_at_least(2, " (the last token + at least one draft)"),
@@ -411,7 +439,8 @@ def add_parser(sub) -> None:
                    help="exact mode: GEMMs and attention whose rows do not depend on the rows "
                         "sharing the call, one kernel per op in eager and graphed calls, so "
                         "the DFlash output equals plain greedy decoding bit for bit in bf16 "
-                        "too (slower: not yet measured; default: off)")
+                        "too (it costs more time: README.md gives its measured cost, after "
+                        "the quick start; default: off)")
     p.add_argument("--policy", choices=["on", "off"], default="on",
                    help="speculate only where it pays: each iteration drafts or decodes, "
                         "whichever is faster by the measured step costs and the acceptance so "
