@@ -28,18 +28,25 @@ POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "bt_ptr": "*i3
 
 
 def compile_attention(block_n: int, stages: int, warps: int, splits: int = 32,
-                      pdl: bool = False) -> dict:
-    """The sm_90 compile of ``triton.attention._attn_kernel`` (bf16, D 128, GQA 4, 16 queries
-    a request, non-causal) for one configuration: shared bytes and instruction counts
-    (``pdl``: as launched as a programmatic dependent, triton/_pdl.py)."""
+                      pdl: bool = False, g: int = 4, combine: bool = False) -> dict:
+    """The sm_90 compile of ``triton.attention._attn_kernel`` (bf16, D 128, GQA ``g``, 16
+    queries a request, non-causal) for one configuration: shared bytes and instruction counts
+    (``pdl``: as launched as a programmatic dependent, triton/_pdl.py; ``combine``: the split
+    combine kernel instead, with sinks)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from dflash_ops.triton import attention as A
-    fn = A._attn_kernel
-    consts = dict(G=4, D=128, BLOCK_Q=16, BLOCK_N=block_n, SPLITS=splits, CAUSAL=False,
-                  HAS_SINKS=False, NUM_STAGES=stages, PDL=pdl)
+    gp = triton.next_power_of_2(g)
+    if combine:
+        fn = A._combine_kernel
+        consts = dict(G=g, GP=gp, D=128, BLOCK_Q=64 // gp or 1, SPLITS=splits, HAS_SINKS=True,
+                      PDL=pdl)
+    else:
+        fn = A._attn_kernel
+        consts = dict(G=g, GP=gp, D=128, BLOCK_Q=64 // gp or 1, BLOCK_N=block_n, SPLITS=splits,
+                      CAUSAL=False, HAS_SINKS=False, NUM_STAGES=stages, PDL=pdl)
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:

@@ -127,6 +127,28 @@ def test_block_attention_low_precision_vs_dense_sdpa(dtype, mode, bs, ratio, d):
     _run_attention_case(bs, ratio, d, mode, dtype)
 
 
+@pytest.mark.parametrize("mode", list(ATTN_MODES))
+def test_block_attention_reference_in_row_chunks(mode, monkeypatch):
+    """The reference gathers keys per query row in chunks of rows (REF_CHUNK elements): chunks
+    of 1, 3 and 7 rows, across request boundaries and rows no request owns, give the dense
+    truth."""
+    from dflash_ops.ops import attention as A
+    causal, window, use_sinks = ATTN_MODES[mode]
+    torch.manual_seed(3)
+    q_lens = [1] + [int(torch.randint(1, 9, ()).item()) for _ in SEQ_LENS[1:]]
+    q, kc, vc, table, seq_lens, qsl = paged_case(SEQ_LENS, q_lens, 4, 2, 8, 64, torch.float32)
+    q = torch.cat([q, torch.randn(2, 8, 64)])  # rows past query_start_loc[B]: zeros
+    sinks = (torch.randn(8) * 2.0) if use_sinks else None
+    args = (q, kc, vc, table, seq_lens, qsl, 0.125, causal, window, sinks)
+    truth = dense_attention(*args, cd=F64)
+    per_row = table.shape[1] * 4 * 2 * 64
+    for rows in (1, 3, 7):
+        monkeypatch.setattr(A, "REF_CHUNK", rows * per_row)
+        out = A.block_attention_ref(*args)
+        assert_fp32_close(out, truth, f"reference in chunks of {rows} rows, {mode}")
+        assert torch.equal(out[-2:], torch.zeros_like(out[-2:]))
+
+
 def test_visible_mask_matches_dflash_package():
     dflash_model = pytest.importorskip("dflash.model")
     for s, ql in ((1, 1), (17, 8), (100, 5)):

@@ -46,9 +46,13 @@ def check_glu(device, dtypes, grid=GRID):
             got = glu_proj(x, w, b, cfg=pc)
             what = f"glu_proj {dtype} T {t} I {i} H {h} bias {bias} {cfg}"
             assert got.shape == (t, i) and got.dtype == dtype, what
-            # the same tile through kv_proj, then silu_mul: the same bits
-            want = silu_mul(kv_proj(x, w, b, cfg=pc))
-            assert torch.equal(got, want), what + f": max diff {(got - want).abs().max()}"
+            # the same tile through kv_proj, then silu_mul: the same bits on the GPU. Not in
+            # the interpreter: its tl.dot is numpy's matmul, whose BLAS blocks (and rounds) the
+            # two kernels' tile products by their shapes, differently on some CPUs (seen on an
+            # AMD EPYC without AVX-512: 80 ulps); the fp32 rule below holds there too
+            if device != "cpu":
+                want = silu_mul(kv_proj(x, w, b, cfg=pc))
+                assert torch.equal(got, want), what + f": max diff {(got - want).abs().max()}"
             # and the math in fp32: within the tolerance rule of the same math in the dtype
             y = F.linear(x.float(), w.float(), None if b is None else b.float())
             ref = F.silu(y[:, :i]) * y[:, i:]

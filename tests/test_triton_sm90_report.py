@@ -35,3 +35,18 @@ def test_attention_kernel_waits_for_its_prior_grid_when_launched_as_a_dependent(
         sys.path.pop(0)
     assert rep.compile_attention(64, 2, 4, pdl=True)["griddepcontrol.wait"] >= 1
     assert rep.compile_attention(64, 2, 4)["griddepcontrol.wait"] == 0
+
+
+@pytest.mark.parametrize("combine", [False, True], ids=["attn", "combine"])
+def test_attention_kernels_compile_for_a_group_that_is_not_a_power_of_two(combine):
+    """GQA 5 (Hq 40 / Hkv 8): the tile pads the group to 8 rows a token and masks the padding;
+    both kernels compile for sm_90 (the split offsets in int64), the attention on wgmma."""
+    pytest.importorskip("triton.backends.nvidia", reason="triton without its CUDA backend")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import triton_sm90_report as rep
+    finally:
+        sys.path.pop(0)
+    r = rep.compile_attention(64, 2, 4, g=5, combine=combine)
+    if not combine:
+        assert r["wgmma"] > 0 and r["mma.sync"] == 0, r

@@ -42,6 +42,7 @@ _OP = "block_attention"
 
 
 MAX_SPLITS = 32  # split_keys: the CUDA combine merges one split a lane of one warp
+REF_CHUNK = 1 << 26  # the reference's gathered key elements a chunk of query rows
 
 
 def _check_attn(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale,
@@ -124,7 +125,28 @@ def block_attention_ref(q, k_cache, v_cache, block_table, seq_lens, query_start_
     seq = seq_lens.long().clamp(0, m * bs)[req]
     q_len = (qsl[req + 1] - qsl[req])
     pos = seq - q_len + (t - qsl[req])  # [Tq]
+    # The keys are gathered per query row ([rows, S, Hkv, D] in fp32, twice): rows in chunks of
+    # ~2^26 gathered elements, so a long prefill (the CPU demo's) stays within memory.
+    step = max(1, REF_CHUNK // (m * bs * hkv * d))
+    if tq > step:
+        out = torch.empty_like(q)
+        for c in range(0, tq, step):
+            sl = slice(c, c + step)
+            out[sl] = _ref_rows(q[sl], k_cache, v_cache, block_table, req[sl], row_ok[sl],
+                                seq[sl], pos[sl], scale, causal, window, sinks)
+        return out
+    return _ref_rows(q, k_cache, v_cache, block_table, req, row_ok, seq, pos, scale, causal,
+                     window, sinks)
 
+
+def _ref_rows(q, k_cache, v_cache, block_table, req, row_ok, seq, pos, scale, causal, window,
+              sinks):
+    """block_attention_ref's rows q [rows, Hq, D]: their request, whether a request owns them,
+    their request's key count and their positions given per row."""
+    tq, hq, d = q.shape
+    nb, bs, hkv, _ = k_cache.shape
+    m = block_table.shape[1]
+    dev = q.device
     j = torch.arange(m * bs, device=dev)
     blk = block_table.long()[req][:, j // bs]  # [Tq, S]
     key_ok = (j[None, :] < seq[:, None]) & (blk >= 0) & (blk < nb) & row_ok[:, None]
