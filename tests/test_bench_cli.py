@@ -125,6 +125,9 @@ def test_policy_share_out_of_range_is_one_line(value, monkeypatch, capsys):
     ("policy", "DFLASH_OPS_BENCH_POLICY_CASES", "2x1q", "'2x1q' is not BxS"),
     ("policy", "DFLASH_OPS_BENCH_POLICY_PS", "0.3", "'0.3' is not a comma-separated subset"),
     ("drafter", "DFLASH_OPS_BENCH_DRAFTER_CASES", "1x1", "'1x1': need B >= 1 and S >= 16"),
+    ("e2e", "DFLASH_OPS_BENCH_E2E_CASES", "8xk", "'8xk' is not BxS"),
+    ("e2e", "DFLASH_OPS_BENCH_E2E_MEM_GB", "lots", "got 'lots'; allowed: a number of GB > 0"),
+    ("e2e", "DFLASH_OPS_BENCH_E2E_MEM_GB", "-5", "got '-5'; allowed: a number of GB > 0"),
 ])
 @pytest.mark.parametrize("named", [True, False])
 def test_bad_bench_env_is_one_line_before_the_gpu_check(suite, var, value, message, named,

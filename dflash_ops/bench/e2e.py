@@ -148,6 +148,29 @@ def cases_from_env(quick: bool) -> List[Tuple[int, int]]:
     return list(QUICK_CASES if quick else CASES)
 
 
+def mem_gb_from_env() -> float:
+    """The memory budget in GB: ENV_MEM, or MEM_GB when unset; anything but a finite number
+    > 0 raises ValueError naming it."""
+    text = os.environ.get(ENV_MEM, "").strip()
+    if not text:
+        return MEM_GB
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value < float("inf"):
+        raise ValueError(f"{ENV_MEM}: got {text!r}; allowed: a number of GB > 0 (default "
+                         f"{MEM_GB})")
+    return value
+
+
+def check_options(quick: bool = False, exact: bool = False) -> None:
+    """``harness.main``'s check before its GPU check: a bad ENV_CASES or ENV_MEM raises
+    ValueError naming it."""
+    cases_from_env(quick)
+    mem_gb_from_env()
+
+
 # ----------------------------------------------------------------------------- GPU plumbing
 
 def require_cuda() -> None:
@@ -585,7 +608,7 @@ def run(quick: bool = False, exact: bool = False) -> Results:
     ``-exact`` appended with --exact)."""
     require_cuda()
     cases = cases_from_env(quick)
-    mem_gb = float(os.environ.get(ENV_MEM, "").strip() or MEM_GB)
+    mem_gb = mem_gb_from_env()
     real_loop = os.environ.get(ENV_LOOP, "").strip() != "0"
     name = "e2e"
     if os.environ.get(ENV_CASES, "").strip():
