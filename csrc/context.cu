@@ -856,9 +856,10 @@ bool split_k_operands(const at::Tensor& x, const at::Tensor& w,
 }
 
 // Launches kernel(args...) on `grid` CTAs of kBlock threads on `stream`, in clusters of
-// `cluster` CTAs along x (1: no cluster) and, where pdl_enabled(), as a programmatic dependent. Returns false, launching
-// nothing, where the device cannot hold one such cluster (a partitioned GPU: MIG, green
-// contexts; a failed query counts as that), asked once a (kernel, device, cluster size).
+// `cluster` CTAs along x (1: no cluster) and, where pdl_enabled(), as a programmatic
+// dependent. Returns false, launching nothing, where the device cannot hold one such cluster
+// (a partitioned GPU: MIG, green contexts; a failed query counts as that), asked once a
+// (kernel, device, cluster size).
 template <class... KArgs, class... Args>
 bool launch_cluster(void (*kernel)(KArgs...), int cluster, int64_t grid, cudaStream_t stream,
                     Args&&... args) {

@@ -1,6 +1,7 @@
 // Registering a family's C++ kernels with the dispatcher. Schemas live in Python
 // (dflash_ops/ops/<family>.py); each csrc/<family>.cu ends with
-//   static void register_kernels(torch::Library& m) { m.impl("<op>", TORCH_FN(dflash_ops::<op>)); ... }
+//   static void register_kernels(torch::Library& m) {
+//     m.impl("<op>", TORCH_FN(dflash_ops::<op>)); ... }
 //   DFLASH_OPS_REGISTER_CUDA(register_kernels)
 // which registers every kernel twice: as the CUDA kernel of torch.ops.dflash.<op> (the dispatcher
 // calls it with no Python in between where the C++ kernel is the op's choice), and as the CUDA

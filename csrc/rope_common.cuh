@@ -11,9 +11,11 @@
 // Layout. A group of tpr lanes holds one head row of D elements, cut into units of 2V elements
 // (V = one vector) that hold V rotation pairs at angle indices [uV, uV + V), loaded as two
 // vectors a, b:
-//   NeoX,  uV <  R/2:  a = x[uV ..],        b = x[R/2 + uV ..]       (matching chunks of the halves)
-//   NeoX,  uV >= R/2:  a = x[R + q ..],     b = x[R + (D-R)/2 + q ..], q = uV - R/2 (tail, unrotated)
-//   GPT-J:             a = x[2uV ..],       b = x[2uV + V ..]         (pairs adjacent in a vector)
+//   NeoX,  uV <  R/2:  a = x[uV ..],     b = x[R/2 + uV ..]
+//                      (matching chunks of the halves)
+//   NeoX,  uV >= R/2:  a = x[R + q ..],  b = x[R + (D-R)/2 + q ..], q = uV - R/2
+//                      (tail, unrotated)
+//   GPT-J:             a = x[2uV ..],    b = x[2uV + V ..]  (pairs adjacent in a vector)
 // so both elements of every pair live in one lane: the only shuffles are the norm's sum. Lane
 // `lane` of the group holds units j * tpr + lane, j < NU. The units of a row partition it, so
 // the same offsets also move a row that is only copied (context_kv_'s V).

@@ -1,8 +1,10 @@
 // DFlash 2's candidate selector walk: select_candidates (dflash_ops/ops/select.py).
 //
-//   score[r, j, i] = unary[r, j, i] + sum_d pred[prev, d] * hidden[r, j, d] * succ[cand[r, j, i], d]
-//   greedy: pick = the first maximum (the first NaN if any); sampled: q = softmax(score / T), pick = the first running
-//   sum of q past u[r, j] * sum(q); prev = cand[r, j, pick] (prev starts at anchor[r])
+//   score[r, j, i] = unary[r, j, i]
+//                  + sum_d pred[prev, d] * hidden[r, j, d] * succ[cand[r, j, i], d]
+//   greedy: pick = the first maximum (the first NaN if any);
+//   sampled: q = softmax(score / T), pick = the first running sum of q past u[r, j] * sum(q);
+//   prev = cand[r, j, pick] (prev starts at anchor[r])
 //
 // One block of 8 warps per request. Candidate i belongs to warp i / CPW; every lane holds the
 // same DPL dims (lane + 32 * n) of every row, so a candidate's dot product is a warp reduction.
