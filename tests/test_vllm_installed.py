@@ -154,9 +154,10 @@ def _fake_model(layout="blocks-2", n_layers=2, h=32, hkv=2, d=64, kv_dtype="auto
     wt = _weights(n_layers, h, hkv, d, seed=7)
     attn = [types.SimpleNamespace(kv_cache=vllm_cache(layout, hkv=hkv, d=d),
                                   kv_cache_dtype=kv_dtype) for _ in range(n_layers)]
-    m = types.SimpleNamespace(
+    norm = types.SimpleNamespace(weight=torch.nn.Parameter(wt["hidden_norm_weight"]))
+    m = types.SimpleNamespace(  # _hidden_norm_weight is the parameter's .data, as in vLLM
         quant_config=None, _fused_kv_weight=wt["w_kv"], _fused_kv_bias=wt["bias"],
-        _k_norm_weights=wt["k_weight"], _hidden_norm_weight=wt["hidden_norm_weight"],
+        _k_norm_weights=wt["k_weight"], hidden_norm=norm, _hidden_norm_weight=norm.weight.data,
         _rope_cos_sin_cache=wt["cos_sin"], _rope_is_neox=True, _rms_norm_eps=1e-6,
         _num_kv_heads=hkv, _head_dim=d, _attn_layers=attn, _num_attn_layers=n_layers,
         layers=[types.SimpleNamespace(self_attn=types.SimpleNamespace())])
@@ -430,7 +431,8 @@ def test_model_writes_caches_and_caches_its_plan(wired):
     assert calls == {"stock": 0, "build": 1}
 
 
-@pytest.mark.parametrize("what", ["cache-moved", "weights-reloaded", "weights-reloaded-in-place"])
+@pytest.mark.parametrize("what", ["cache-moved", "weights-reloaded", "weights-reloaded-in-place",
+                                  "norm-updated-in-place"])
 def test_model_rebuilds_its_plan_when_vllm_moves_things(wired, what):
     from tests.test_vllm_plugin import vllm_cache
     obj, m, wt, calls = wired
@@ -440,8 +442,11 @@ def test_model_rebuilds_its_plan_when_vllm_moves_things(wired, what):
         m._attn_layers[1].kv_cache = vllm_cache("blocks-2")
     elif what == "weights-reloaded":  # load_weights restacks the buffers
         m._fused_kv_weight = m._fused_kv_weight.clone() * 2
-    else:  # new values copied into the same buffer: the plan's folded copy must follow
-        m._fused_kv_weight.mul_(2)
+    elif what == "weights-reloaded-in-place":  # new values in the same buffer: the plan's
+        m._fused_kv_weight.mul_(2)                # folded copy must follow
+    else:  # the norm parameter itself (vLLM reads it through its .data alias, whose version
+        with torch.no_grad():  # counter does not move)
+            m.hidden_norm.weight.mul_(2)
     obj.precompute_and_store_context_kv(x, pos, slots)
     assert calls["build"] == 2
     plan = obj._dflash_ops_cached[1]

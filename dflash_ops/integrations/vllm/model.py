@@ -46,9 +46,15 @@ def _plan_key(m, x: torch.Tensor) -> tuple:
     bufs = ("_fused_kv_weight", "_fused_kv_bias", "_k_norm_weights", "_hidden_norm_weight",
             "_rope_cos_sin_cache")
     # the plan holds a copy of the stacked weight with the hidden norm folded in: an in-place
-    # reload of either (same pointers) must rebuild it too
-    versions = tuple(getattr(getattr(m, b, None), "_version", None)
-                     for b in ("_fused_kv_weight", "_hidden_norm_weight"))
+    # reload of either (same pointers) must rebuild it too. vLLM's _hidden_norm_weight is the
+    # parameter's .data, whose version counter is its own: an in-place update of the parameter
+    # moves only the parameter's, so both are read. A write through a fresh .data
+    # (param.data.copy_ outside load_weights) moves no counter and is not seen; vLLM's reloads
+    # go through load_weights, which restacks the buffers (new pointers)
+    norm = getattr(getattr(m, "hidden_norm", None), "weight", None)
+    versions = tuple(getattr(t, "_version", None)
+                     for t in (getattr(m, "_fused_kv_weight", None),
+                               getattr(m, "_hidden_norm_weight", None), norm))
     return (x.dtype, x.device, tuple(_ptr(a.kv_cache) for a in m._attn_layers),
             tuple(_ptr(getattr(m, b, None)) for b in bufs), versions)
 
