@@ -82,3 +82,11 @@ def test_relative_imports_resolve():
     assert not _violations("dflash_ops.models.target",
                            imported("from ..ops.rope import r\nfrom .layer import L",
                                     "dflash_ops.models.target"))
+
+
+def test_the_vllm_entry_point_package_imports_no_dflash_ops():
+    """``dflash_ops_vllm`` (the entry point vLLM loads in every process) imports nothing of
+    dflash_ops, so loading the plugin costs no kernel registration, extension load or CUDA."""
+    path = PKG.parent / "dflash_ops_vllm" / "__init__.py"
+    names = imported(path.read_text(), "dflash_ops_vllm", is_package=True)
+    assert not [n for n in names if n.split(".")[0] in ("dflash_ops", "torch")], names

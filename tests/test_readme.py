@@ -104,7 +104,8 @@ def test_knob_table_lists_exactly_the_knobs_read():
     documented = {re.search(r"DFLASH_OPS_\w+", cells[0]).group(0)
                   for cells in _table_rows(_section("Environment knobs"))}
     read = set()
-    for path in [*(ROOT / "dflash_ops").rglob("*.py"), ROOT / "setup.py",
+    for path in [*(ROOT / "dflash_ops").rglob("*.py"), *(ROOT / "dflash_ops_vllm").rglob("*.py"),
+                 ROOT / "setup.py",
                  *(ROOT / "csrc").glob("*.c*"), *(ROOT / "csrc").glob("*.h")]:
         read |= set(re.findall(r"(?:environ\.get\(|environ\[|getenv\()\s*[\"'](DFLASH_OPS_\w+)",
                                path.read_text(encoding="utf-8")))

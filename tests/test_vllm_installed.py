@@ -22,7 +22,7 @@ import torch
 vllm = pytest.importorskip("vllm", reason="vLLM not installed (pip install --no-deps -r "
                                           "tests/requirements-vllm.txt)")
 
-from dflash_ops.integrations import vllm as plugin  # noqa: E402
+import dflash_ops_vllm as plugin  # noqa: E402
 from dflash_ops.integrations.vllm.cache import kv_views  # noqa: E402
 
 
@@ -35,6 +35,26 @@ def test_entry_point_loads_register():
     eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "dflash_ops"]
     assert len(eps) == 1, eps
     assert eps[0].load() is plugin.register
+
+
+def test_loading_the_plugin_imports_neither_dflash_ops_nor_cuda():
+    """vLLM loads general plugins in every process (API server, engine core, workers): loading
+    and calling ours must not import dflash_ops (its kernels, its extension or a JIT build of
+    csrc/) nor initialise CUDA. A fresh interpreter, as vLLM's processes are."""
+    import subprocess
+    import sys
+    code = (
+        "import sys\n"
+        "from importlib.metadata import entry_points\n"
+        "ep, = [e for e in entry_points(group='vllm.general_plugins') if e.name == 'dflash_ops']\n"
+        "assert ep.load()() is True\n"
+        "import torch\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'dflash_ops'),"
+        " torch.cuda.is_initialized())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[] False", out.stdout
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from dflash_ops import dispatch
-from dflash_ops.integrations import vllm as plugin
+import dflash_ops_vllm as plugin
 from dflash_ops.integrations.vllm.cache import kv_views
 from dflash_ops.integrations.vllm.context import ContextPlan, fold_hidden_norm, store
 from dflash_ops.ops.norm import rms_norm_ref

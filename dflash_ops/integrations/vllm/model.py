@@ -21,7 +21,7 @@ from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
 import dflash_ops  # noqa: F401  (registers torch.ops.dflash)
 from dflash_ops.ops.rope import HEAD_DIMS
 
-from . import log
+from dflash_ops_vllm import log
 from .cache import kv_views
 from .context import ContextPlan, fold_hidden_norm, store
 
