@@ -152,6 +152,18 @@ def test_demo_runs_small_on_cpu(capsys):
     assert "cpu (1 thread)" in out and torch.get_num_threads() == threads  # restored
 
 
+def test_demo_with_one_new_token_says_no_iteration_ran(capsys):
+    """The prefill gives the one token: no drafting iteration runs, and the per-iteration rows
+    say n/a (they printed acceptance 0.00 and one host sync an iteration)."""
+    rc, out, err = _run(["demo", "--device", "cpu", "--batch", "1", "--prompt-len", "4",
+                         "--max-new-tokens", "1", "--no-stage-times"], capsys)
+    assert rc == 0, out + err
+    rows = {line[:24].strip(): line[24:].split() for line in out.splitlines()}
+    assert rows["iterations"] == ["0"] and rows["acceptance length"] == ["1.00", "n/a"]
+    assert rows["host syncs / iteration"] == ["n/a"] and "policy: iterations" not in rows
+    assert "no iteration ran" in out and "output equals plain greedy decoding: yes" in out
+
+
 def _tiny(device="cpu"):
     from dflash_ops.speculator import demo
     target, drafter = demo._tiny_pair(device, torch.float32, 4, 64, 2)

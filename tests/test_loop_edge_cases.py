@@ -7,6 +7,7 @@ model pair decodes as before.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -126,6 +127,48 @@ def test_out_of_vocabulary_token_rejected(fn, tok):
     with pytest.raises(ValueError, match=rf"prompts\[1\] has token {tok} outside the "
                                          rf"vocabulary \[0, {VOCAB}\)"):
         fn(target, drafter, [[1, 2], [3, tok, 4]], 4)
+    _still_works(target, drafter)
+
+
+@BOTH
+@pytest.mark.parametrize("prompt, got", [
+    ([3, 1.7, 4], "1.7"), (torch.tensor([3.0, 4.0]), "a float32 tensor"), ([3, True], "True"),
+    ([3, None], "None")])
+def test_token_ids_that_are_not_integers_rejected(fn, prompt, got):
+    """Floats passed the range check and were truncated by the long tensor the prefill built."""
+    target, drafter = _pair(4)
+    with pytest.raises(ValueError, match=rf"prompts\[1\]: token ids must be integers, got "
+                                         rf"{re.escape(got)}"):
+        fn(target, drafter, [[1, 2], prompt], 4)
+    _still_works(target, drafter)
+
+
+@BOTH
+@pytest.mark.parametrize("stop, got", [([None], "None"), ([2.5], "2.5"),
+                                       (torch.tensor([1.0]), "1.0")])
+def test_stop_ids_that_are_not_integers_rejected(fn, stop, got):
+    target, drafter = _pair(4)
+    with pytest.raises(ValueError, match=rf"stop_token_ids: token ids must be integers, got "
+                                         rf"{re.escape(got)}"):
+        fn(target, drafter, PROMPTS, 4, stop_token_ids=stop)
+    _still_works(target, drafter)
+
+
+@pytest.mark.parametrize("kind", ["tensor", "numpy", "set"])
+def test_stop_ids_as_a_tensor_stop_like_a_list(kind):
+    """A tensor of stop ids built a set of 0-d tensors (hashed by identity): the host checks
+    never matched, so plain greedy ignored the stop and the speculative loop stopped on the
+    device's copy only. Every container now stops where the list does, in both."""
+    import numpy as np
+    target, drafter = _pair(4)
+    free = plain_greedy(target, PROMPTS, 8)
+    for stop_at in (free[0][0], free[0][3]):  # the first generated token, and a later one
+        want = plain_greedy(target, PROMPTS, 8, stop_token_ids=[stop_at])
+        stop = {"tensor": torch.tensor([stop_at]), "numpy": np.array([stop_at]),
+                "set": {stop_at}}[kind]
+        assert plain_greedy(target, PROMPTS, 8, stop_token_ids=stop) == want
+        assert _spec(target, drafter, PROMPTS, 8, stop_token_ids=stop) == want
+        assert want[0][-1] == stop_at and len(want[0]) <= 4  # the stop ended request 0
     _still_works(target, drafter)
 
 

@@ -358,10 +358,12 @@ def _compare(args, target, drafter, prompts, on_cuda, dtype, n_new, total, block
     print(f"{'iterations':24} {'':>14} {st.iterations:>14}")
     forwards = 1 + st.iterations - st.blocks.get(1, 0) + st.decode_steps
     print(f"{'target forwards':24} {n_new:>14} {forwards:>14}")
+    ran = st.iterations > 0  # none where the prefill's token was all a request needed
     print(f"{'host syncs / iteration':24} {'':>14} "
-          f"{st.host_syncs / max(1, st.iterations):>14.2f}")
-    print(f"{'acceptance length':24} {'1.00':>14} {st.mean_acceptance:>14.2f}")
-    if policy:
+          f"{f'{st.host_syncs / st.iterations:.2f}' if ran else 'n/a':>14}")
+    print(f"{'acceptance length':24} {'1.00':>14} "
+          f"{f'{st.mean_acceptance:.2f}' if ran else 'n/a':>14}")
+    if policy and ran:
         chosen = ", ".join(f"{'decode' if b == 1 else f'block {b}'} {k}"
                            for b, k in sorted(st.blocks.items(), reverse=True))
         print(f"{'policy: iterations':24} {'':>14} {chosen:>14}")
@@ -377,8 +379,9 @@ def _compare(args, target, drafter, prompts, on_cuda, dtype, n_new, total, block
           + ("; time per stage from one more run, synchronised after each stage"
              if stage_times and on_cuda else ""))
     per_iter = (t_spec / max(1, st.iterations)) / (t_plain / n_new)
-    print(f"acceptance length: tokens committed a request a drafting iteration; an iteration "
-          f"took as long as {per_iter:.2f} plain decode steps on average")
+    print(f"acceptance length: tokens committed a request a drafting iteration; " +
+          (f"an iteration took as long as {per_iter:.2f} plain decode steps on average" if ran
+           else "no iteration ran (the prefill's token was every token asked for)"))
     if policy:
         print("policy (--policy on): each iteration drafts a block or decodes (greedy with "
               f"static or graphed steps: {DECODE_STEPS} tokens a request between host reads, "

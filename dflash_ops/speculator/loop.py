@@ -25,6 +25,7 @@ context rows then map to slot -1 and are written nowhere.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import time
 import weakref
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -92,6 +93,25 @@ def _prefill(target, prompts, tap_layers, fp32_logits: bool = True, context=None
     return torch.stack(last)
 
 
+def _is_int(t) -> bool:
+    """An integer token id: a Python / numpy integer or a 0-d integer tensor (not a bool)."""
+    if isinstance(t, torch.Tensor):
+        return t.dim() == 0 and not (t.is_floating_point() or t.is_complex()
+                                     or t.dtype == torch.bool)
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+
+
+def _stop_ids(fn: str, stop_token_ids) -> frozenset:
+    """``stop_token_ids`` as a set of ints (a list, a tuple, a set or a tensor of ids), or a
+    ValueError naming the entry that is not an integer id (None included)."""
+    ids = (stop_token_ids.reshape(-1).tolist() if isinstance(stop_token_ids, torch.Tensor)
+           else list(stop_token_ids))
+    odd = [t for t in ids if not _is_int(t)]
+    if odd:
+        raise ValueError(f"{fn}: stop_token_ids: token ids must be integers, got {odd[0]!r}")
+    return frozenset(int(t) for t in ids)
+
+
 def _check_requests(fn: str, caches, prompts, max_new_tokens: int, vocab: int,
                     extra: int) -> None:
     """ValueError from ``fn``, naming the argument, unless max_new_tokens >= 1 and the prompts
@@ -116,6 +136,14 @@ def _check_requests(fn: str, caches, prompts, max_new_tokens: int, vocab: int,
     for i, p in enumerate(prompts):
         if len(p) == 0:
             raise ValueError(f"{fn}: prompts[{i}] is empty; expected at least one token")
+        if isinstance(p, torch.Tensor) and (p.is_floating_point() or p.is_complex()):
+            raise ValueError(f"{fn}: prompts[{i}]: token ids must be integers, got a "
+                             f"{str(p.dtype).replace('torch.', '')} tensor")
+        if not isinstance(p, torch.Tensor):
+            odd = [t for t in p if not _is_int(t)]
+            if odd:
+                raise ValueError(f"{fn}: prompts[{i}]: token ids must be integers, got "
+                                 f"{odd[0]!r}")
         bad = next((int(t) for t in p if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"{fn}: prompts[{i}] has token {bad} outside the vocabulary "
@@ -172,7 +200,7 @@ def plain_greedy(target, prompts: Sequence[Sequence[int]], max_new_tokens: int,
 
 def _plain_greedy(target, prompts, max_new_tokens, stop_token_ids):
     dev = target.device
-    stop = set(stop_token_ids)
+    stop = _stop_ids("plain_greedy", stop_token_ids)
     _check_requests("plain_greedy", [("target", target.cache)], prompts, max_new_tokens,
                     target.cfg.vocab_size, max_new_tokens + 1)
     owned = []
@@ -313,8 +341,12 @@ def speculative_generate(target, drafter, prompts: Sequence[Sequence[int]], max_
     (default: 1, i.e. a plain decode step that keeps the drafter's context current, and
     ``block_size``), with the most expected tokens a second for the active requests, from their
     running acceptance and the iterations' measured cost (``policy.Policy``); every choice is
-    lossless, so the output is the same; ``Stats.blocks`` counts the iterations per block size.
-    ``policy=False``: always ``block_size`` (as the reference DFlash loop).
+    lossless, so greedy output is the same; ``Stats.blocks`` counts the iterations per block
+    size. ``policy=False``: always ``block_size`` (as the reference DFlash loop). Sampled output
+    follows the same distribution either way, but which tokens a seeded ``generator`` gives
+    depends on the block sizes run (each draws its own number of uniforms, and a draft depends
+    on its place in the block), and the policy chooses them from measured timings: for
+    sampled output that a seed reproduces, pass ``policy=False``.
 
     ``exact=True``: exact mode (``exact_mode``): greedy output equal to ``plain_greedy(...,
     exact=True)`` bit for bit in bf16 / fp16 as well (without it the two round differently
@@ -350,7 +382,7 @@ def _speculative_generate(target, drafter, prompts, max_new_tokens, stop_token_i
     auto = steps == "auto"
     steps = _resolve_steps(steps, target, drafter, n)
     stats = Stats(steps=steps)
-    stop = set(stop_token_ids)
+    stop = _stop_ids(fn, stop_token_ids)
     owned, pair = set(), None
 
     def release(r):  # a request's slots in both caches, once
