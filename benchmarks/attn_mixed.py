@@ -68,7 +68,7 @@ def main() -> int:
         got = dflash_ops.block_attention(q, kc, vc, table, seq, qsl, scale).float()
         want = block_attention_ref(q, kc, vc, table, seq, qsl, scale).float()
         err = (got - want).abs().max().item()
-        if not err <= 2 * 2.0 ** -8 * want.abs().max().item():
+        if not err <= 2 * 2.0 ** -7 * want.abs().max().item():  # 2 bf16 ulps (eps 2^-7)
             print(f"{item:<12} FAILED the check: max error {err:.3g}; not timed")
             continue
         t = time_fn(lambda q, kc, vc: dflash_ops.block_attention(q, kc, vc, table, seq, qsl,

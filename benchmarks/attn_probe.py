@@ -80,7 +80,9 @@ def main() -> int:
         call(q, table, out)
         torch.cuda.synchronize()
         err = (out.float() - want.float()).abs().max().item()
-        tol = 2 * 2 ** -7 * max(1.0, want.float().abs().max().item())
+        # 2 bf16 ulps of max |ref|, no floor at 1: outputs shrink with S (~0.03 at 1 x 32k),
+        # and a floor let a kernel that dropped one of 32 key splits pass
+        tol = 2 * 2 ** -7 * want.float().abs().max().item()
         if not err <= tol:
             print(f"attn_probe: {b} x {s}: max error {err:.3e} > {tol:.3e} against the torch "
                   f"reference", file=sys.stderr)

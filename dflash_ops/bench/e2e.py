@@ -405,6 +405,21 @@ def host_loop(target, drafter, dstep, vstep, batch: int, context: int, pending: 
     return (time.perf_counter() - t0) / iters
 
 
+AGREE_MIN = 0.8  # a graph's tokens equal to its eager run's in at least this share of places
+
+
+def _agree(step: str, got: torch.Tensor, want: torch.Tensor) -> float:
+    """The share of ``got``'s tokens equal to ``want``'s (a graph replay against the same step
+    run eagerly before capture); below AGREE_MIN the graph is wrong and the case is not timed
+    (bf16 near ties between the graph's and the eager backends may differ: rarely, not a
+    fifth of the tokens)."""
+    share = float((got == want).float().mean())
+    if share < AGREE_MIN:
+        raise RuntimeError(f"WRONG, not timed: the {step} graph's tokens equal its eager "
+                           f"run's in {100 * share:.1f}% of places (< {100 * AGREE_MIN:.0f}%)")
+    return share
+
+
 def measure_case(target, drafter, batch: int, context: int, *, rep_ms: float,
                  loop_ms: float, min_reps: int = 10, exact: bool = False) -> dict:
     """Times (us) of draft, verify, draft+verify, decode and the host loop for one case (and,
@@ -435,28 +450,40 @@ def measure_case(target, drafter, batch: int, context: int, *, rep_ms: float,
     dstep = DraftStep(drafter, max_batch=batch, scratch_request=batch, block_size=b,
                       logits=False)  # greedy: argmax on the bf16 LM-head output
     bucket = dstep.load(taps, ctx_req, ctx_pos, block, ra, st)
+    checks = {}
+    want = dstep.run(bucket)[0].clone()  # eager (not captured yet): the oracle of the graph
     dstep.capture(bucket)
-    def verify_step(own_scratch=True):  # b random tokens a request at context .. context+b-1
+    checks["draft"] = _agree("draft", dstep.run(bucket)[0], want)
+
+    def verify_step(own_scratch=True, key="verify"):  # b random tokens a request at
+        #                                               context .. context+b-1
         step = VerifyStep(target, max_batch=batch, block_size=b,
                           tap_layers=dcfg.target_layer_ids, scratch_request=batch, logits=False,
                           own_scratch=own_scratch)
         vb = step.load(torch.randint(0, vocab, (batch, b), generator=g, device=dev), ra, st)
+        want = step.run(vb)[1].clone()
         step.capture(vb)
+        checks[key] = _agree(key, step.run(vb)[1], want)
         return step, vb
 
     # plain decode: one token a request at position context
     ids = torch.randint(0, vocab, (batch,), generator=g, device=dev)
     ones = torch.ones(batch, dtype=torch.long, device=dev)
 
-    def decode_graph():  # a greedy decode step: forward + argmax
-        return dispatch.capture_graph(
-            lambda: argmax_last(target.forward(ids, ra, st, ones, None, fp32_logits=False)[0]))[0]
+    def decode_graph(key="decode"):  # a greedy decode step: forward + argmax
+        def fwd():
+            return argmax_last(target.forward(ids, ra, st, ones, None, fp32_logits=False)[0])
+        want = fwd().clone()
+        graph, got = dispatch.capture_graph(fwd)
+        graph.replay()
+        checks[key] = _agree(key, got, want)
+        return graph
 
     vstep, vbucket = verify_step()
     dgraph = decode_graph()
     torch.cuda.synchronize()
 
-    out = {"batch": batch, "context": context}
+    out = {"batch": batch, "context": context, "graph = eager tokens": checks}
     timing = dict(rep_ms=rep_ms, min_reps=min_reps)
     out["draft"] = time_replays(lambda: dstep.run(bucket), **timing)
     out["verify"] = time_replays(lambda: vstep.run(vbucket), **timing)
@@ -465,8 +492,8 @@ def measure_case(target, drafter, batch: int, context: int, *, rep_ms: float,
     if exact:  # the same steps in exact mode, captured apart (the graphs bake the kernels in)
         from ..speculator.loop import exact_mode
         with exact_mode(target, True):  # the scratch slot stays vstep's (it times on)
-            xstep, xb = verify_step(own_scratch=False)
-            xgraph = decode_graph()
+            xstep, xb = verify_step(own_scratch=False, key="verify exact")
+            xgraph = decode_graph("decode exact")
         torch.cuda.synchronize()
         out["verify exact"] = time_replays(lambda: xstep.run(xb), **timing)
         out["iteration exact"] = time_replays(lambda: (dstep.run(bucket), xstep.run(xb)),

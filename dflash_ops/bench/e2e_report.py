@@ -9,7 +9,7 @@ V = 151936, b = 16, T = 5 taps of Ht = 4096; ``target_step_cost``, ``drafter_ste
   out) ]; FLOPs = 2*B*n*(L*((Hq + 2Hkv)*D*H + H*Hq*D + 3*I*H) + V*H) + 4*B*L*Hq*D*(n*S +
   n(n+1)/2) (causal attention).
 * draft bytes = 2 * [ H*T*Ht (fc) + 2H + L*((Hq + 2Hkv)*D*H + H*Hq*D + 3*I*H + 2H + 2D)
-  + L*2*Hkv*D*H (the stacked context K/V weight, read as well) + V*H (LM head) + B*S*L*2*Hkv*D
+  + V*H (LM head; each weight once: our stacked k/v copy is not counted) + B*S*L*2*Hkv*D
   (context K/V read) + B*b*L*2*Hkv*D (new context K/V written) + B*b*H + B*b*T*Ht (block
   embeddings, taps in) ]; FLOPs = 2*B*b*(H*T*Ht + L*2*Hkv*D*H) + 2*B*b*L*((Hq + 2Hkv)*D*H +
   H*Hq*D + 3*I*H) + 4*B*b*L*Hq*D*(S + b) + 2*B*(b-1)*V*H (the drafter suite's formula).
@@ -105,8 +105,8 @@ def drafter_step_cost(cfg, batch: int, context: int, block: int = BLOCK,
     request (default a whole block) at positions context-new .. context-1, then the block at
     context .. context+block-1 over the ``context`` cached keys, the LM head on block-1 rows.
 
-    weights: fc, the layers, the stacked context K/V weight (the k/v projections a second
-    time, as the drafter reads them, with hidden_norm's weight folded in), the final norm;
+    weights: fc, the layers, the final norm and hidden_norm, each weight once (our drafter
+    also reads a stacked copy of the k/v weights for the context, not counted: a floor);
     lm_head: V*H (the target's);
     kv_read: the cached context K/V; kv_write: the new context K/V; other: block embedding rows +
     tap hidden states in. Not counted: the block's own K/V (on chip in a minimal step), logits."""
@@ -116,7 +116,7 @@ def drafter_step_cost(cfg, batch: int, context: int, block: int = BLOCK,
     mats, vecs = _layer_params(H, cfg.num_heads, cfg.num_kv_heads, D, cfg.intermediate_size,
                                True, cfg.attention_bias)
     kv_row = L * 2 * cfg.num_kv_heads * D
-    cost = {"weights": elt * (H * T * Ht + H + L * (mats + vecs) + kv_row * H),
+    cost = {"weights": elt * (H * T * Ht + 2 * H + L * (mats + vecs)),
             "lm_head": elt * V * H,
             "kv_read": elt * batch * context * kv_row,
             "kv_write": elt * batch * new * kv_row,
@@ -168,7 +168,10 @@ NOTES = [
     "request at S..S+15, causal); draft+verify = the two replays back to back (t_iteration); "
     "decode = Target.forward of 1 token a request at S in a graph",
     "timing: CUDA events around each graph replay, replays queued back to back (host launch "
-    "hidden), median (>= 10 replays, ~300 ms; --quick >= 5, ~100 ms)",
+    "hidden), median (>= 10 replays, ~300 ms; --quick >= 5, ~100 ms); checked first: each "
+    "graph's tokens (draft, verify, decode argmax) against the same step run eagerly before "
+    "capture, a case whose graph agrees in < 80% of places is 'WRONG, not timed' (bf16 near "
+    "ties between backends may differ)",
     "floor(step) = max(bytes / copy bandwidth, FLOPs / bf16 GEMM rate) of this run; bytes = "
     "weights + LM head + K/V of the S cached keys read + new K/V written + embedding rows and "
     "taps (table 'floor terms'); x floor = time / floor; iteration floor = draft floor + "
@@ -181,7 +184,7 @@ NOTES = [
     "B*S*L*2*Hkv*D + B*n*L*2*Hkv*D + B*n*H (+ B*n*5*H taps out, verify)], n = 16 / 1; FLOPs = "
     "2*B*n*(L*((Hq+2Hkv)*D*H + H*Hq*D + 3*I*H) + V*H) + 4*B*L*Hq*D*(n*S + n(n+1)/2)",
     "draft bytes = 2*[H*5*Ht + 2H + L*((Hq+2Hkv)*D*H + H*Hq*D + 3*I*H + 2H + 2D) + "
-    "L*2*Hkv*D*H (stacked context K/V weight) + V*H + B*S*L*2*Hkv*D + B*16*L*2*Hkv*D + B*16*H "
+    "V*H + B*S*L*2*Hkv*D + B*16*L*2*Hkv*D + B*16*H "
     "+ B*16*5*Ht]; FLOPs = 2*B*16*(H*5*Ht + L*2*Hkv*D*H) + 2*B*16*L*((Hq+2Hkv)*D*H + H*Hq*D + "
     "3*I*H) + 4*B*16*L*Hq*D*(S+16) + 2*B*15*V*H",
     f"implied speedup(tau) = tau * t_decode / t_iteration at tau {TAU_PUBLISHED} (GSM8K, "
