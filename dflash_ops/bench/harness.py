@@ -177,9 +177,29 @@ def time_fn(fn: Callable, *, rotate: Optional[Sequence[tuple]] = None, graph: bo
     from triton.testing import do_bench
 
     cycle = itertools.cycle(sets)
-    ms = do_bench(lambda: fn(*next(cycle)), warmup=warmup_ms, rep=rep_ms,
-                  quantiles=list(QUANTILES))
-    return {"us": ms[0] * 1e3, "p20": ms[1] * 1e3, "p80": ms[2] * 1e3, "mode": "events"}
+    call = lambda: fn(*next(cycle))  # noqa: E731
+    # do_bench repeats rep_ms / (its estimate of one call): a slow call (a 45 ms reference
+    # step) got ~3 samples; stretch rep so that a median has at least MIN_EVENT_SAMPLES
+    est = _one_call_ms(call)
+    rep = max(rep_ms, MIN_EVENT_SAMPLES * est)
+    ms = do_bench(call, warmup=warmup_ms, rep=rep, quantiles=list(QUANTILES))
+    return {"us": ms[0] * 1e3, "p20": ms[1] * 1e3, "p80": ms[2] * 1e3, "mode": "events",
+            "samples": max(1, int(rep / max(est, 1e-6)))}
+
+
+MIN_EVENT_SAMPLES = 10
+
+
+def _one_call_ms(call: Callable[[], object]) -> float:
+    """One call's device time in ms (events), after one untimed call (compiles, autotunes)."""
+    call()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    call()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
 
 
 def host_overhead_us(fn: Callable[[], object], n: int = 50, rounds: int = 30) -> float:
