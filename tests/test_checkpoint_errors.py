@@ -243,3 +243,46 @@ def test_rope_table_unchanged_for_ordinary_configs():
     from dflash_ops.models.hf_config import rope_table_len
     for mpe, max_len in ((128, 64), (40960, 16), (262144, 4096), (64, 4096)):
         assert rope_table_len(mpe, max_len) == max(mpe, max_len)
+
+
+# ------------------------------------------------------------------ re-saving, shards, converter
+def test_resaving_into_a_directory_replaces_the_old_checkpoint(tmp_path):
+    """A 2-shard save then a 1-file save: the old index and shards went on being loaded (the
+    loader prefers an index)."""
+    d, cfg = _sharded(tmp_path)
+    new = {k: torch.full_like(v, 1.0) for k, v in random_drafter_state(cfg).items()}
+    save_zlab(tmp_path, d, new, shards=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    got = load_state(tmp_path)
+    assert got.keys() == new.keys() and all(torch.equal(got[k], new[k]) for k in new)
+    save_zlab(tmp_path, d, new, shards=3)  # and back: no model.safetensors beside the shards
+    assert not (tmp_path / "model.safetensors").exists() and (tmp_path / INDEX).exists()
+
+
+def test_a_shard_tensor_the_index_does_not_list_is_refused(tmp_path):
+    """It was dropped (so an unexpected or wrong-shaped tensor passed the checks unseen)."""
+    _sharded(tmp_path)
+    index = json.loads((tmp_path / INDEX).read_text())
+    name, shard = next(iter(sorted(index["weight_map"].items())))
+    _set_index(tmp_path, lambda ix: ix["weight_map"].pop(name))
+    with pytest.raises(ValueError) as e:
+        load_state(tmp_path)
+    msg = _one_line(e)
+    assert INDEX in msg and shard in msg and name in msg and "does not list" in msg, msg
+
+
+@pytest.mark.parametrize("where", ["top", "dflash_config"])
+def test_speculators_conversion_keeps_causal_and_the_rope_style(where):
+    """A top-level `causal` and dflash_config's RoPE-style flags were dropped by the
+    conversion (all-causal became non-causal; GPT-J became NeoX)."""
+    from dflash_ops.models.weights import zlab_to_speculators
+    mix = dict(layer_types=["full_attention", "sliding_attention"], sliding_window=8,
+               use_sliding_window=True)
+    d = tiny_zlab(**mix, causal=True) if where == "top" else tiny_zlab(**mix, dc={"causal": True})
+    z, s = DFlashConfig.from_dict(d), DFlashConfig.from_dict(zlab_to_speculators(d))
+    assert [z.layer_causal(i) for i in range(2)] == [s.layer_causal(i) for i in range(2)] \
+        == [True, True]
+    for flags in ({"rope_interleaved": True}, {"rope_is_neox_style": False}):
+        d = tiny_zlab(dc=flags)
+        z, s = DFlashConfig.from_dict(d), DFlashConfig.from_dict(zlab_to_speculators(d))
+        assert z.rope_is_neox is False and s.rope_is_neox is False, flags

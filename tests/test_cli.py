@@ -117,6 +117,50 @@ def test_broken_checkpoints_are_one_line_naming_the_option(tmp_path, capsys):
         assert cause in line, line
 
 
+def _pair_copy(tmp_path, change_target=None, change_draft=None, change_weights=None) -> tuple:
+    """A copy of the built-in pair with its configs (and the drafter's weights) changed."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    from dflash_ops.speculator.demo import SHIPPED
+    dirs = []
+    for name, change in (("target", change_target), ("drafter", change_draft)):
+        dst = tmp_path / name
+        shutil.copytree(os.path.join(SHIPPED, name), dst)
+        cfg = json.loads((dst / "config.json").read_text())
+        if change:
+            change(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+        dirs.append(str(dst))
+    if change_weights:
+        st = load_file(os.path.join(dirs[1], "model.safetensors"))
+        change_weights(st)
+        save_file(st, os.path.join(dirs[1], "model.safetensors"))
+    return dirs
+
+
+@pytest.mark.parametrize("what, option, cause", [
+    ("rope", "--target", "rope_scaling.rope_type = 'linear'"),
+    ("taps", "--draft", "which does not fit --target"),
+    ("weights", "--draft", "missing: norm.weight"),
+])
+def test_checkpoints_that_load_wrong_are_one_line_naming_the_option(tmp_path, capsys, what,
+                                                                     option, cause):
+    """A refused RoPE scaling (a NotImplementedError traceback before), a drafter whose taps
+    the target lacks (a traceback from the loop before) and a drafter missing tensors (its
+    list of problems cut to its first line, naming none before)."""
+    def taps(c):  # a drafter for an 8-layer target; the built-in target has 4
+        c["num_target_layers"] = 8
+        c["dflash_config"]["target_layer_ids"] = [1, 5]
+    change = {"rope": dict(change_target=lambda c: c.update(
+                  rope_scaling={"rope_type": "linear", "factor": 2.0})),
+              "taps": dict(change_draft=taps),
+              "weights": dict(change_weights=lambda st: st.pop("norm.weight"))}[what]
+    t, d = _pair_copy(tmp_path, **change)
+    line = _assert_usage_error(["demo", "--device", "cpu", "--target", t, "--draft", d,
+                                "--max-new-tokens", "2", "--prompt-len", "4"], option, capsys)
+    assert cause in line, line
+
+
 def test_no_command_is_one_line(capsys):
     rc, out, err = _run([], capsys)
     assert rc == 2 and len(err.splitlines()) == 1 and "demo" in err, err

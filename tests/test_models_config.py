@@ -204,6 +204,31 @@ def test_layer_types_derived_like_hf():
     assert DFlashConfig.from_dict(d).layer_types == ["full_attention"] * 3
 
 
+def test_absent_sliding_flags_read_as_hf_qwen3config_does():
+    """Qwen3Config's defaults: use_sliding_window False (an absent flag with a window and
+    sliding layers is the same ambiguity as an explicit false: refused), sliding_window 4096
+    (use_sliding_window true without a window: layers from max_window_layers on slide over
+    4096, as HF derives them; before, every layer was full)."""
+    from transformers import Qwen3Config
+    d = tiny_zlab(layer_types=["full_attention", "sliding_attention"], sliding_window=16)
+    d.pop("use_sliding_window")
+    with pytest.raises(ValueError, match=r"use_sliding_window \(absent: qwen3's default, "
+                                         r"false\) is false but sliding_window=16"):
+        DFlashConfig.from_dict(d, SRC)
+    d = tiny_zlab(use_sliding_window=True, max_window_layers=1)
+    for k in ("layer_types", "sliding_window"):
+        d.pop(k)
+    cfg = DFlashConfig.from_dict(d, SRC)
+    hf = Qwen3Config(**{k: v for k, v in d.items() if k != "dflash_config"})
+    assert cfg.layer_types == list(hf.layer_types) == ["full_attention", "sliding_attention"]
+    assert [cfg.layer_window(i) for i in range(2)] == [-1, hf.sliding_window] == [-1, 4096]
+    # another model type has no such default: an absent flag is not read as false
+    d = tiny_zlab(model_type="mytype", layer_types=["full_attention", "sliding_attention"],
+                  sliding_window=16)
+    d.pop("use_sliding_window")
+    assert DFlashConfig.from_dict(d, SRC).layer_window(1) == 16
+
+
 def test_rope_fields():
     cfg = DFlashConfig.from_dict(tiny_zlab(rope_theta=None, rope_parameters={
         "rope_type": "default", "rope_theta": 1e7}))

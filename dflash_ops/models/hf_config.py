@@ -19,9 +19,13 @@ LAYER_TYPES = (FULL, SLIDING)
 # None: the generic rule (head_dim = hidden / heads, KV heads = heads). Other model types: the
 # generic rules and 32768 positions.
 HF_DEFAULTS = {
-    "qwen3": dict(head_dim=128, num_key_value_heads=32, max_position_embeddings=32768),
+    # qwen3: Qwen3Config's defaults (use_sliding_window False, sliding_window 4096: it keeps
+    # the window only where use_sliding_window is true)
+    "qwen3": dict(head_dim=128, num_key_value_heads=32, max_position_embeddings=32768,
+                  use_sliding_window=False, sliding_window=4096),
     "llama": dict(head_dim=None, num_key_value_heads=None, max_position_embeddings=2048),
 }
+# other model types: no default for the sliding flags (an absent flag is not read as false)
 _GENERIC = dict(head_dim=None, num_key_value_heads=None, max_position_embeddings=32768)
 _ROPE_NEOX_KEYS = ("rope_is_neox_style", "is_neox_style", "rope_is_neox")   # True = NeoX
 _ROPE_GPTJ_KEYS = ("rope_interleaved", "rotary_interleaved")                # True = GPT-J
@@ -226,8 +230,11 @@ def layer_fields(lc: dict, source: str, prefix: str = "", *, extra: tuple = (),
 
     # Layer types / sliding window, as HF Qwen3Config derives them.
     layer_types = lc.get("layer_types")
-    window = lc.get("sliding_window")
-    use_sw = lc.get("use_sliding_window")
+    use_sw = lc.get("use_sliding_window", defaults.get("use_sliding_window"))
+    window = lc["sliding_window"] if "sliding_window" in lc else (
+        defaults.get("sliding_window") if use_sw else None)
+    flag = "use_sliding_window" + ("" if "use_sliding_window" in lc else
+                                   f" (absent: {model_type}'s default, false)")
     if layer_types is None:
         # HF: sliding for i >= max_window_layers, only when use_sliding_window and a window is set.
         mwl = as_int(lc.get("max_window_layers", 28), source, prefix + "max_window_layers")
@@ -239,7 +246,7 @@ def layer_fields(lc: dict, source: str, prefix: str = "", *, extra: tuple = (),
         # HF Qwen3Config nulls sliding_window when use_sliding_window is false (so the torch
         # reference would run these layers unwindowed) while the MLX reference windows them.
         raise fail(source, prefix + "use_sliding_window/sliding_window",
-                   f"use_sliding_window is false but sliding_window={window} and layer_types has "
+                   f"{flag} is false but sliding_window={window} and layer_types has "
                    f"'{SLIDING}' layers: ambiguous (HF drops the window, MLX keeps it); fix the "
                    "config")
 

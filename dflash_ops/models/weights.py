@@ -10,12 +10,14 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from .config import DFlashConfig, _fc_mismatch, default_target_layer_ids
+from .hf_config import _ROPE_GPTJ_KEYS, _ROPE_NEOX_KEYS
 
 __all__ = ["load_state", "check_float", "check_drafter_state", "expected_shapes", "stack_kv",
            "save_zlab", "save_speculators", "zlab_to_speculators"]
@@ -98,14 +100,21 @@ def load_state(path: "str | os.PathLike") -> dict:
         state, by_file = {}, {}
         for name, shard in weight_map.items():
             by_file.setdefault(_shard_file(path, index, name, shard), []).append((name, shard))
+        for file, entries in sorted(by_file.items()):  # every shard there before any loads
+            if not os.path.isfile(file):
+                raise FileNotFoundError(f"{index}: shard {entries[0][1]} (for {entries[0][0]}, "
+                                        f"...) is missing")
         for file, entries in sorted(by_file.items()):
             shard, names = entries[0][1], [n for n, _ in entries]
-            if not os.path.isfile(file):
-                raise FileNotFoundError(f"{index}: shard {shard} (for {names[0]}, ...) is missing")
             tensors = _load_file(file)
             absent = [n for n in names if n not in tensors]
             if absent:
                 raise ValueError(f"{index}: weight_map puts {absent} in {shard}, which lacks them")
+            unlisted = sorted(set(tensors) - set(names))
+            if unlisted:  # the checks below see only what the map lists: do not drop them
+                raise ValueError(f"{index}: {shard} holds {unlisted[:5]}"
+                                 f"{f' and {len(unlisted) - 5} more' if len(unlisted) > 5 else ''}"
+                                 f", which weight_map does not list (in {shard} or elsewhere)")
             for n in names:
                 state[n] = tensors[n]
         return state
@@ -256,6 +265,12 @@ def _save_state(directory: str, state: dict, shards: int) -> None:
     from safetensors.torch import save_file
 
     tensors = {k: v.detach().contiguous().clone() for k, v in state.items()}
+    # a checkpoint written here before (another shard count) must not outlive this one: the
+    # loader prefers an index to model.safetensors and would read the old shards
+    for old in os.listdir(directory):
+        if old in ("model.safetensors", "model.safetensors.index.json") or \
+                re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", old):
+            os.remove(os.path.join(directory, old))
     if shards <= 1:
         save_file(tensors, os.path.join(directory, "model.safetensors"))
         return
@@ -314,6 +329,9 @@ def zlab_to_speculators(cfg_dict: dict) -> dict:
         ids = default_target_layer_ids(int(get("num_target_layers")), int(d["num_hidden_layers"]))
     layer = {k: v for k, v in d.items() if k not in _DRAFT_KEYS}
     layer.setdefault("model_type", "qwen3")
+    for k in (*_ROPE_NEOX_KEYS, *_ROPE_GPTJ_KEYS):  # dflash_config's RoPE style (the z-lab
+        if dc.get(k) is not None:                    # parser reads it there too)
+            layer.setdefault(k, dc[k])
     mt = "dflash2" if v2 else "dflash"
     out = {
         "speculators_model_type": mt,
@@ -327,8 +345,8 @@ def zlab_to_speculators(cfg_dict: dict) -> dict:
         "sliding_window_non_causal": bool(get("sliding_window_non_causal", False)),
         "speculators_config": {"algorithm": mt},
     }
-    causal = [v for v in (d.get("is_causal"), dc.get("is_causal"), dc.get("causal"))
-              if v is not None]
+    causal = [v for v in (d.get("is_causal"), d.get("causal"), dc.get("is_causal"),
+                          dc.get("causal")) if v is not None]
     if causal:
         out["is_causal"] = bool(causal[0])
     for name in ("num_target_layers", "input_embedding_scale", "output_multiplier",

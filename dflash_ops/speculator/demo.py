@@ -76,8 +76,13 @@ def _tiny_pair(device, dtype, block_size, max_len, batch):
 
 
 def _load_failure(option: str, path: str, err: Exception, other: str = "") -> UsageError:
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return UsageError(f"argument {option}: got {path!r}, which does not load{other}: {first}")
+    """One line: an error over several lines (a list of problems) joined with "; ", at most
+    six of them."""
+    lines = [x.strip() for x in str(err).strip().splitlines() if x.strip()]
+    text = "; ".join(lines[:6]) + (f"; ... ({len(lines) - 6} more)" if len(lines) > 6 else "")
+    text = text.replace(":; ", ": ")
+    return UsageError(f"argument {option}: got {path!r}, which does not load{other}: "
+                      f"{text or type(err).__name__}")
 
 
 def _check_positions(target_dir, draft_dir, tcfg, dcfg, block_size, new_positions) -> None:
@@ -114,6 +119,7 @@ def _checkpoint_pair(target_dir, draft_dir, device, dtype, block_size, new_posit
     from ..models.drafter import DFlashDrafter
     from ..models.target import Target, TargetConfig
     from ..models.weights import load_state
+    from .step import check_pair
 
     for option, path in (("--target", target_dir), ("--draft", draft_dir)):
         if not os.path.isfile(os.path.join(path, "config.json")):
@@ -121,7 +127,8 @@ def _checkpoint_pair(target_dir, draft_dir, device, dtype, block_size, new_posit
                     else "which is not a directory")
             raise UsageError(f"argument {option}: got {path!r}, {what}; allowed: a checkpoint "
                              f"directory (config.json + safetensors weights)")
-    load_errors = (OSError, ValueError, KeyError, SafetensorError)
+    # NotImplementedError: a config field we refuse (a rope_scaling type, sliding targets)
+    load_errors = (OSError, ValueError, KeyError, SafetensorError, NotImplementedError)
     try:
         tcfg = TargetConfig.from_hf(target_dir)
     except load_errors as e:
@@ -149,6 +156,11 @@ def _checkpoint_pair(target_dir, draft_dir, device, dtype, block_size, new_posit
                                 lm_head=target.lm_head, cache_block_size=_KV_BLOCK, **kw)
     except load_errors as e:
         raise _load_failure("--draft", draft_dir, e, f" with --target {target_dir!r}") from None
+    try:  # the pair's fit (vocabulary, tap layers, widths), before any decoding
+        check_pair(target, drafter, "dflash-ops demo")
+    except ValueError as e:
+        raise UsageError(f"argument --draft: got {draft_dir!r}, which does not fit --target "
+                         f"{target_dir!r}: {str(e).removeprefix('dflash-ops demo: ')}") from None
     return target, drafter
 
 
