@@ -167,3 +167,24 @@ def test_suite_env_lists_exactly_the_variables_each_suite_reads(capsys):
         for var, what in variables.items():
             assert any(line.strip() == var + what for line in listed[1:len(variables) + 1]), var
             assert f"`{var}" in readme, var
+
+
+@pytest.mark.parametrize("call_ms, want_samples", [(45.0, 16), (0.01, 10000)])
+def test_events_timing_takes_at_least_ten_samples(monkeypatch, call_ms, want_samples):
+    """do_bench repeats ~rep / one call: a 45 ms call got 2 samples at rep 100 ms; time_fn
+    reruns it with a longer rep, and reports the samples it got."""
+    import triton.testing
+    from dflash_ops.bench import harness as h
+    reps = []
+
+    def fake_do_bench(fn, warmup=25, rep=100, return_mode="mean"):
+        assert return_mode == "all"
+        reps.append(rep)
+        n = max(1, int(rep / call_ms))
+        return [call_ms * (1 + 0.001 * (i % 3)) for i in range(n)]
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    t = h.time_fn(lambda: None)
+    assert t["samples"] == want_samples and t["mode"] == "events", (t, reps)
+    assert t["us"] == pytest.approx(call_ms * 1e3, rel=0.01)
+    assert len(reps) == (2 if call_ms > 10 else 1)

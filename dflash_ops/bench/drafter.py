@@ -54,9 +54,9 @@ Columns (tables per context length S, one row block per batch, then a summary ta
   arithmetic, and our logits output (bf16 [B, 15, V]: 4.6 MB at B 1, 292 MB at B 64).
   Each weight counts once: our drafter also reads a stacked copy of the k/v weights for the
   context K/V (84 MB, hidden_norm folded in), which a floor does not count (session 42; before,
-  it did, and the floors were 2.5% higher at B 1). At B 1, S 1024: 3.36 GB (weights 3.35) ->
+  it did, and the floors were 2.5% higher at B 1). At B 1, S 1024: 3.36 GB (weights 3.34) ->
   ~0.78 ms at ~4.3 TB/s. B 64,
-  S 4096: 8.9 GB but 3.8 TFLOP -> ~5.4 ms at ~700 TFLOP/s (FLOP-bound from B ~16 at S 1024).
+  S 4096: 8.8 GB but 3.8 TFLOP -> ~5.4 ms at ~700 TFLOP/s (FLOP-bound from B ~16 at S 1024).
 
 Checks, before timing, on the step's own inputs: ``agreement`` of a column's logits and drafts
 with ours eager: max |dz| <= tol * max |z_eager| (tol 0.02 for the graph, the GPU test's bound;

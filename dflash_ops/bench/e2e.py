@@ -590,8 +590,9 @@ def bench(tcfg, dcfg, cases: Sequence[Tuple[int, int]], *, quick: bool = False,
                                  min_reps=min_reps, exact=exact)
             except Exception as e:  # noqa: BLE001 - one failed case (OOM...) is reported
                 m = None
-                entry["note"] = (f"failed: {type(e).__name__}: "
-                                 f"{(str(e).strip().splitlines() or [''])[0][:160]}")
+                first = (str(e).strip().splitlines() or [""])[0]
+                entry["note"] = (first[:200] if first.startswith("WRONG, not timed")  # _agree
+                                 else f"failed: {type(e).__name__}: {first[:160]}")
             if m is None:  # out of the except block: its frames (graphs, buffers) are gone
                 _say(f"{label}: {entry['note']}")
                 release_caches(target, drafter)

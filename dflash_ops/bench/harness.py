@@ -32,7 +32,6 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 L2_BYTES = 60 << 20  # H200; the device's own L2 size is used when it reports a larger one
-QUANTILES = (0.5, 0.2, 0.8)
 _SLEEP_CYCLES = 20_000_000  # ~10 ms of torch.cuda._sleep at ~2 GHz
 
 # name -> (module whose run(quick, **options) returns a Results, one-line description). A suite
@@ -178,28 +177,18 @@ def time_fn(fn: Callable, *, rotate: Optional[Sequence[tuple]] = None, graph: bo
 
     cycle = itertools.cycle(sets)
     call = lambda: fn(*next(cycle))  # noqa: E731
-    # do_bench repeats rep_ms / (its estimate of one call): a slow call (a 45 ms reference
-    # step) got ~3 samples; stretch rep so that a median has at least MIN_EVENT_SAMPLES
-    est = _one_call_ms(call)
-    rep = max(rep_ms, MIN_EVENT_SAMPLES * est)
-    ms = do_bench(call, warmup=warmup_ms, rep=rep, quantiles=list(QUANTILES))
-    return {"us": ms[0] * 1e3, "p20": ms[1] * 1e3, "p80": ms[2] * 1e3, "mode": "events",
-            "samples": max(1, int(rep / max(est, 1e-6)))}
+    # do_bench repeats about rep / (one call + its L2 wipe): a slow call (a 45 ms reference
+    # step) got ~3 samples; run it again with a longer rep until a median has enough
+    rep = rep_ms
+    for _ in range(3):
+        times = do_bench(call, warmup=warmup_ms, rep=rep, return_mode="all")
+        if len(times) >= MIN_EVENT_SAMPLES:
+            break
+        rep *= 1.5 * MIN_EVENT_SAMPLES / max(1, len(times))
+    return {**_stats(times), "mode": "events"}
 
 
 MIN_EVENT_SAMPLES = 10
-
-
-def _one_call_ms(call: Callable[[], object]) -> float:
-    """One call's device time in ms (events), after one untimed call (compiles, autotunes)."""
-    call()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    call()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end)
 
 
 def host_overhead_us(fn: Callable[[], object], n: int = 50, rounds: int = 30) -> float:
