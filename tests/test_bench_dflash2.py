@@ -15,8 +15,9 @@ pytest.importorskip("triton")
 def cpu_suite(monkeypatch):
     timed = []
     monkeypatch.setattr(b2, "DEVICE", "cpu")
-    monkeypatch.setattr(b2, "time_fn", lambda fn, **kw: (timed.append(fn),
-                                                         {"us": 10.0, "mode": "graph"})[1])
+    from dflash_ops.bench import columns
+    monkeypatch.setattr(columns, "time_fn", lambda fn, **kw: (timed.append(fn),
+                                                              {"us": 10.0, "mode": "graph"})[1])
     monkeypatch.setattr(b2, "rotating", lambda make, nbytes: [make()])
     monkeypatch.setattr(b2.dispatch, "has_backend", lambda op, be: be == "triton")
     return timed, Results("dflash2-test", floors={"copy_GBps": 3000.0})
@@ -31,7 +32,8 @@ def test_a_conv_column_is_timed_only_when_right(cpu_suite, monkeypatch, off):
     b2._conv(res, (16,), {})
     row = next(r for r in res.rows if r["impl"] == "ours (triton)")
     if off:
-        assert row["us"] is None and row["note"].startswith("WRONG, not timed"), row
+        assert row["us"] is None and row["note"].startswith("WRONG") and "not timed" in \
+            row["note"], row
     else:
         assert row["us"] == 10.0 and row["err"] == 0.0, row
 
@@ -39,9 +41,21 @@ def test_a_conv_column_is_timed_only_when_right(cpu_suite, monkeypatch, off):
 def test_the_sets_rotate_over_input_bytes(monkeypatch):
     seen = []
     monkeypatch.setattr(b2, "DEVICE", "cpu")
-    monkeypatch.setattr(b2, "time_fn", lambda fn, **kw: {"us": 1.0, "mode": "graph"})
+    from dflash_ops.bench import columns
+    monkeypatch.setattr(columns, "time_fn", lambda fn, **kw: {"us": 1.0, "mode": "graph"})
     monkeypatch.setattr(b2.dispatch, "has_backend", lambda op, be: False)
     monkeypatch.setattr(b2, "rotating", lambda make, nbytes: (seen.append(nbytes), [make()])[1])
     b2._conv(Results("t", floors={"copy_GBps": 1.0}), (16,), {})
     g = b2.H // b2.GS
     assert seen == [16 * b2.H * 2 + 16 * b2.K * g * 2 + b2.K * b2.H * 2]
+
+
+def test_the_unfused_pair_is_checked_then_timed(cpu_suite, monkeypatch):
+    """conv_add_rms_norm's table on the CPU (torch kernels): the unfused pair passes its check
+    (2 bf16 ulps of max |ref|) on copies of the inputs, then is timed."""
+    timed, res = cpu_suite
+    monkeypatch.setattr(b2.dispatch, "has_backend", lambda op, be: False)
+    b2._conv_norm(res, (16,), {})
+    row, = [r for r in res.rows if r["table"].startswith("conv_add_rms_norm")]
+    assert row["impl"] == "conv + fused_add_rms_norm_" and row["us"] == 10.0, row
+    assert not row["note"].startswith("WRONG") and len(timed) == 1, row

@@ -20,32 +20,25 @@ from __future__ import annotations
 import torch
 
 from .. import dispatch
-from .columns import BF16_ULP
+from .columns import Impl, forced, measure
 from .harness import Results, floor_us, measure_floors, rotating, time_fn
 
 H, K, GS, BLOCK = 5120, 2, 16, 8
 DEVICE = "cuda"  # (the CPU tests set "cpu")
-TOL_ULPS, REF_TOL_ULPS = 2, 4  # ours / a column that rounds otherwise (per tap, or the conv
-#                                rounded to bf16 before the norm), in bf16 ulps of max |want|
-
-
-def _timed(res: Results, table: str, case: str, name: str, ok: bool, note: str, fn, sets,
-           timing: dict, **row) -> None:
-    """A column's row: timed only where its check passed (``ok``), else "WRONG, not timed"."""
-    t = time_fn(fn, rotate=sets, graph=True, **timing) if ok else None
-    res.add_time(table, case, name, t, note=note if ok else f"WRONG, not timed: {note}", **row)
-
-
-def _within(got: torch.Tensor, want: torch.Tensor, ulps: int) -> tuple:
-    """(ok, max abs error, note): max |got - want| <= ulps bf16 ulps of max |want|."""
-    err = (got.float() - want).abs().max().item()
-    tol = ulps * BF16_ULP * want.abs().max().item()
-    return err <= tol, err, f"max err {err:.3g} (tol {tol:.3g})"
 CONV_T = (64, 512, 4096, 16384)
 QUICK_CONV_T = (512, 4096)
 NORM_T = (8, 64, 512, 4096)
 SEL_R = (1, 8, 64)
 QUICK_SEL_R = (1, 64)
+
+
+def _row(res: Results, table: str, case: str, impl: Impl, sets, timing: dict, *,
+         exact: bool = False, **row) -> None:
+    """One column's row: ``columns.measure`` checks it against its reference on fresh copies of
+    the first set (2 bf16 ulps of max |ref|; ``exact``: bit for bit), then times it, graph
+    replays over ``sets``; a column that fails its check is not timed ("WRONG")."""
+    t, note, err = measure(impl, sets, sets[0], timing, graph=True, exact=exact)
+    res.add_time(table, case, impl.name, t, note=note, err=err, **row)
 
 
 def _conv(res: Results, ts, timing) -> None:
@@ -71,23 +64,16 @@ def _conv(res: Results, ts, timing) -> None:
         read = t * H * 2 + t * K * g * 2 + K * H * 2  # x, dynamic (a strided half), base
         moved = read + t * H * 2  # and y
         sets = rotating(make, read)
-        x, dyn, base = sets[0]
         fl = floor_us(res.floors, moved)
-        want = grouped_dyn_conv_ref(x, dyn, base, GS, BLOCK).float()
-        row = dict(bytes_moved=moved, floor=fl, x=t)
-        for backend in ("triton", "cuda"):
-            if not dispatch.has_backend("grouped_dyn_conv", backend):
-                continue
-            with dispatch.use_backend(backend, ops=("grouped_dyn_conv",)):
-                ok, err, note = _within(grouped_dyn_conv(x, dyn, base, GS, BLOCK), want,
-                                        TOL_ULPS)
-                _timed(res, table, str(t), f"ours ({backend})", ok, note,
-                       lambda x, d, b: grouped_dyn_conv(x, d, b, GS, BLOCK), sets, timing,
-                       err=err, **row)
+        ref = lambda x, d, b: grouped_dyn_conv_ref(x, d, b, GS, BLOCK)  # noqa: E731
+        impls = [forced("grouped_dyn_conv", be,
+                        lambda x, d, b: grouped_dyn_conv(x, d, b, GS, BLOCK), ref,
+                        f"ours ({be})")
+                 for be in ("triton", "cuda") if dispatch.has_backend("grouped_dyn_conv", be)]
         if ref_fn is not None:
-            ok, err, note = _within(ref_fn(x, dyn, base).reshape(want.shape), want, REF_TOL_ULPS)
-            _timed(res, table, str(t), "dflash eager", ok, note, ref_fn, sets, timing, err=err,
-                   **row)
+            impls.append(Impl("dflash eager", lambda x, d, b: ref_fn(x, d, b).view(-1, H), ref))
+        for impl in impls:
+            _row(res, table, str(t), impl, sets, timing, bytes_moved=moved, floor=fl, x=t)
 
 
 def _conv_norm(res: Results, ts, timing) -> None:
@@ -106,29 +92,24 @@ def _conv_norm(res: Results, ts, timing) -> None:
         read = t * H * 2 * 2 + t * K * g * 2 + K * H * 2  # x, residual, dynamic half, base
         moved = read + t * H * 2 * 2 + H * 2  # and the residual written, out, w
         sets = rotating(make, read)
-        x, r, dyn, base = sets[0]
-        r0 = r.clone()  # the timed calls add into the sets' residuals: check on a copy first
         fl = floor_us(res.floors, moved)
-        want = torch.empty_like(x)
-        conv_add_rms_norm_ref(x, r0.clone(), dyn, base, GS, BLOCK, w, 1e-6, out=want)
-        want = want.float()
-        for backend in ("triton", "cuda"):
-            if not dispatch.has_backend("conv_add_rms_norm_", backend):
-                continue
-            with dispatch.use_backend(backend, ops=("conv_add_rms_norm_",)):
-                got = conv_add_rms_norm(x, r0.clone(), dyn, base, GS, BLOCK, w, 1e-6)
-                ok, err, note = _within(got, want, TOL_ULPS)
-                _timed(res, table, str(t), f"ours ({backend})", ok, note,
-                       lambda x, r, d, b: conv_add_rms_norm(x, r, d, b, GS, BLOCK, w, 1e-6),
-                       sets, timing, err=err, bytes_moved=moved, floor=fl, x=t)
+
+        def ref(x, r, d, b):
+            out = torch.empty_like(x)
+            conv_add_rms_norm_ref(x, r, d, b, GS, BLOCK, w, 1e-6, out=out)
+            return out
 
         def unfused(x, r, d, b):
             c = grouped_dyn_conv(x, d, b, GS, BLOCK)
             fused_add_rms_norm_(c, r, w, 1e-6)
             return c
-        ok, err, note = _within(unfused(x, r0.clone(), dyn, base), want, REF_TOL_ULPS)
-        _timed(res, table, str(t), "conv + fused_add_rms_norm_", ok, note, unfused, sets,
-               timing, err=err, bytes_moved=moved, floor=fl, x=t)
+        impls = [forced("conv_add_rms_norm_", be,
+                        lambda x, r, d, b: conv_add_rms_norm(x, r, d, b, GS, BLOCK, w, 1e-6),
+                        ref, f"ours ({be})")
+                 for be in ("triton", "cuda") if dispatch.has_backend("conv_add_rms_norm_", be)]
+        impls.append(Impl("conv + fused_add_rms_norm_", unfused, ref))
+        for impl in impls:  # measure checks on copies: the timed calls add into the residuals
+            _row(res, table, str(t), impl, sets, timing, bytes_moved=moved, floor=fl, x=t)
 
 
 def _select(res: Results, rs, timing) -> None:
@@ -148,17 +129,14 @@ def _select(res: Results, rs, timing) -> None:
         moved = r * j * ((k + 1) * rank * 2 + k * 10 + rank * 2)
         sets = rotating(make, r * j * (k * 10 + rank * 2))
         fl = floor_us(res.floors, moved)
-        args = sets[0]
-        want = select_candidates_ref(*args, pred, succ, 0.0)[0]
-        for backend in ("triton", "cuda"):
-            if not dispatch.has_backend("select_candidates", backend):
-                continue
-            with dispatch.use_backend(backend, ops=("select_candidates",)):
-                same = torch.equal(select_candidates(*args, pred, succ, 0.0)[0], want)
-                _timed(res, table, str(r), f"ours ({backend})", same,
-                       "the reference's path" if same else "a path other than the reference's",
-                       lambda *a: select_candidates(*a, pred, succ, 0.0), sets, timing,
-                       bytes_moved=moved, floor=fl, x=r, same_path=same)
+        # checked bit for bit on the path (the picked candidates)
+        impls = [forced("select_candidates", be,
+                        lambda *a: select_candidates(*a, pred, succ, 0.0)[0],
+                        lambda *a: select_candidates_ref(*a, pred, succ, 0.0)[0], f"ours ({be})")
+                 for be in ("triton", "cuda") if dispatch.has_backend("select_candidates", be)]
+        for impl in impls:
+            _row(res, table, str(r), impl, sets, timing, exact=True, bytes_moved=moved,
+                 floor=fl, x=r)
         res.add_time(table, str(r), "torch walk", time_fn(
             lambda *a: select_candidates_ref(*a, pred, succ, 0.0), rotate=sets, graph=True,
             **timing), bytes_moved=moved, floor=fl, x=r)
@@ -166,16 +144,12 @@ def _select(res: Results, rs, timing) -> None:
         zb = r * j * v * 2
         zsets = rotating(lambda r=r: (torch.randn(r * j, v, dtype=bf16, device=dev),), zb)
         ztable = f"top-{k} of the logits [R*{j}, {v}] bf16 (before the walk)"
-        z0 = zsets[0][0]
-        for backend in ("triton", "cuda"):
-            if not dispatch.has_backend("row_topk", backend):
-                continue
-            with dispatch.use_backend(backend, ops=("row_topk",)):
-                same = torch.equal(row_topk(z0, k)[1], row_topk_ref(z0, k)[1])
-                _timed(res, ztable, str(r), f"ours row_topk ({backend})", same,
-                       "the reference's ids" if same else "ids other than the reference's",
-                       lambda z: row_topk(z, k), zsets, timing, bytes_moved=zb,
-                       floor=floor_us(res.floors, zb), x=r, same_ids=same)
+        impls = [forced("row_topk", be, lambda z: row_topk(z, k)[1],
+                        lambda z: row_topk_ref(z, k)[1], f"ours row_topk ({be})")
+                 for be in ("triton", "cuda") if dispatch.has_backend("row_topk", be)]
+        for impl in impls:  # checked bit for bit on the ids
+            _row(res, ztable, str(r), impl, zsets, timing, exact=True, bytes_moved=zb,
+                 floor=floor_us(res.floors, zb), x=r)
         res.add_time(ztable, str(r), "torch.topk", time_fn(
             lambda z: torch.topk(z, k, dim=-1), rotate=zsets, graph=True, **timing),
             bytes_moved=zb, floor=floor_us(res.floors, zb), x=r)
@@ -193,12 +167,11 @@ def run(quick: bool = False) -> Results:
     res.notes += [
         "timing: median per call of CUDA-graph replays; inputs rotate over sets totalling >= 2x "
         "L2; floor = bytes read + written / this run's copy bandwidth",
-        "err: max abs difference of a conv column from the torch reference (fp32 math, one "
-        "rounding) on the timed inputs; timed only within 2 bf16 ulps of the output's max "
-        "(ours) or 4 (the dflash eager column, which rounds each tap's products in bf16, and "
-        "the unfused pair, which rounds the conv before the norm); the selector and top-k "
-        "columns only with the reference's path / ids; a column that fails says WRONG, not "
-        "timed",
+        "checks before timing (columns.measure, on copies of the first input set): the conv "
+        "columns (ours, the dflash package's per-tap bf16 rounding, the unfused pair) within 2 "
+        "bf16 ulps of the torch reference's max (fp32 math, one rounding), err = max abs "
+        "difference; the selector's path and row_topk's ids bit for bit, err = elements that "
+        "differ; a column that fails says WRONG and is not timed",
         "inputs rotate over sets whose input bytes (not the outputs) total >= 2x L2",
     ]
     return res

@@ -55,8 +55,8 @@ Columns (tables per context length S, one row block per batch, then a summary ta
   Each weight counts once: our drafter also reads a stacked copy of the k/v weights for the
   context K/V (84 MB, hidden_norm folded in), which a floor does not count (session 42; before,
   it did, and the floors were 2.5% higher at B 1). At B 1, S 1024: 3.36 GB (weights 3.34) ->
-  ~0.78 ms at ~4.3 TB/s. B 64,
-  S 4096: 8.8 GB but 3.8 TFLOP -> ~5.4 ms at ~700 TFLOP/s (FLOP-bound from B ~16 at S 1024).
+  ~0.78 ms at ~4.3 TB/s. B 64, S 4096: 8.8 GB but 3.8 TFLOP -> ~5.4 ms at ~700 TFLOP/s
+  (FLOP-bound from B ~16 at S 1024).
 
 Checks, before timing, on the step's own inputs: ``agreement`` of a column's logits and drafts
 with ours eager: max |dz| <= tol * max |z_eager| (tol 0.02 for the graph, the GPU test's bound;
@@ -573,8 +573,9 @@ NOTES = [
     "column is not timed; err = max |dz|",
     "floor = max(bytes / copy bandwidth, FLOPs / bf16 GEMM rate), both measured in this run; "
     "bytes = 2 x [fc H*T*Ht + norms + L*((Hq+2Hkv)*D*H + H*Hq*D + 3*I*H) + LM head V*H (each "
-    "weight once: our stacked copy of the k/v weights for the context is not counted) + K/V read B*S*L*2*Hkv*D + block embeddings B*b*H + tap hidden "
-    "B*N*T*Ht + new K/V written B*N*L*2*Hkv*D] (b 16, N 16, T 5 taps, Ht 4096); FLOPs = "
+    "weight once: our stacked copy of the k/v weights for the context is not counted) + K/V "
+    "read B*S*L*2*Hkv*D + block embeddings B*b*H + tap hidden B*N*T*Ht + new K/V written "
+    "B*N*L*2*Hkv*D] (b 16, N 16, T 5 taps, Ht 4096); FLOPs = "
     "2*B*N*(H*T*Ht + L*2*Hkv*D*H) + 2*B*b*L*((Hq+2Hkv)*D*H + H*Hq*D + 3*I*H) + "
     "4*B*b*L*Hq*D*(S+b) + 2*B*(b-1)*V*H; not counted: the block's own K/V, elementwise math, "
     "our logits output (bf16); the floor row's note itemizes",
