@@ -17,9 +17,8 @@ from pathlib import Path
 V, K = 248320, 16
 ROWS = (7, 56)  # B 1 and 8 draft blocks of 8 (7 mask rows a request)
 ROTATE_BYTES = 256 << 20
-VARIANTS = ({}, {"merge": 8}, {"merge": 16}, {"merge": 1}, {"threshold": 1}, {"threshold": 2},
-            {"threshold": 8}, {"chunk": 8}, {"chunk": 2}, {"chunk_max": 8},
-            {"merge": 16, "threshold": 2}, {"merge": 8, "threshold": 1, "chunk": 8})
+VARIANTS = ({}, {"merge": 2}, {"merge": 4}, {"threshold": 2}, {"threshold": 4}, {"chunk": 8},
+            {"chunk": 2}, {"chunk": 1}, {"chunk_max": 8}, {"chunk_max": 2})
 
 
 def main() -> int:

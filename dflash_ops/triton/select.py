@@ -1,11 +1,17 @@
-"""Triton kernel of ``select_candidates`` (``ops/select.py``): DFlash 2's selector walk.
+"""Triton kernels of ``select_candidates`` (``ops/select.py``, DFlash 2's selector walk) and of
+``row_topk`` / ``row_argmax``.
 
-One program per request walks its J mask rows in order (each pick is the next row's
-predecessor): it loads the predecessor's codebook row and the row's projected hidden state
-(rank values each), the k candidates' successor rows (a [k, rank] tile), forms the k scores,
-picks (greedy: the first maximum; sampled: softmax(score / T) and the first running sum past the
-row's uniform) and writes q and the pick. Ids outside [0, V) read as zero rows. Grid (R,) from
-the shapes only: graph-capturable.
+The walk in two launches. The score of candidate i of mask row j depends on the row's pick
+before it only through the predecessor's codebook row, and that predecessor is one of the k
+candidates of row j - 1 (the anchor at j = 0): so (1) a program per (request, row) gathers
+those k predecessor rows, the row's projected hidden state and its k successor rows at once
+and writes the row's whole score table [k predecessors, k candidates] (unary + the bilinear
+term, one fp32 dot); (2) a program per request walks its rows in order, each step one row of
+a table already in registers (the next table loaded before the pick), and picks (greedy: the
+first maximum, NaN first; sampled: softmax(score / T) and the first running sum past the row's
+uniform), writing q and the pick. The serial chain holds no memory round trip on the codebooks
+(the single-launch walk paid two a row: 13-14 us at 7 rows on the H100). Ids outside [0, V)
+read as zero rows. Grids from the shapes only: graph-capturable.
 """
 from __future__ import annotations
 
@@ -18,30 +24,59 @@ from ._pdl import pdl_kwargs
 
 
 @triton.jit
-def _walk_kernel(unary_ptr, cand_ptr, hid_ptr, anchor_ptr, pred_ptr, succ_ptr, u_ptr, path_ptr,
-                 q_ptr, J, K, RANK, V, temperature, SAMPLE: tl.constexpr, BK: tl.constexpr,
-                 BR: tl.constexpr, PDL: tl.constexpr):
+def _table_kernel(unary_ptr, cand_ptr, hid_ptr, anchor_ptr, pred_ptr, succ_ptr, tab_ptr, J, K,
+                  RANK, V, KP: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
+    # program (r, j): the row's score table tab[a, i] = unary[i] + <pred[p_a] * hid, succ[c_i]>
+    # for every predecessor p_a the walk can arrive with (j 0: the anchor, in every a; else the
+    # previous row's candidates) and every candidate c_i of the row
     if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
         tl.extra.cuda.gdc_wait()
     r = tl.program_id(0).to(tl.int64)
-    i = tl.arange(0, BK)
-    d = tl.arange(0, BR)
+    j = tl.program_id(1).to(tl.int64)
+    row = r * J + j
+    i = tl.arange(0, KP)
     ik = i < K
-    dk = d < RANK
-    prev = tl.load(anchor_ptr + r)
+    later = (tl.zeros([KP], tl.int64) + j) > 0  # (the interpreter takes no scalar & vector)
+    pc = tl.load(cand_ptr + tl.where(later, row - 1, 0) * K + i, mask=ik & later, other=0)
+    pa = tl.where(later, pc, tl.zeros([KP], tl.int64) + tl.load(anchor_ptr + r))
+    okp = ik & (pa >= 0) & (pa < V)  # ids outside [0, V) read as zero rows
+    pa = tl.where(okp, pa, 0)
+    c = tl.load(cand_ptr + row * K + i, mask=ik, other=0)
+    okc = ik & (c >= 0) & (c < V)
+    c = tl.where(okc, c, 0)
+    acc = tl.zeros([KP, KP], dtype=tl.float32)
+    for d0 in range(0, RANK, BD):
+        d = d0 + tl.arange(0, BD)
+        dk = d < RANK
+        pv = tl.load(pred_ptr + pa[:, None] * RANK + d[None, :], mask=okp[:, None] & dk[None, :],
+                     other=0.0).to(tl.float32)
+        hv = tl.load(hid_ptr + row * RANK + d, mask=dk, other=0.0).to(tl.float32)
+        sv = tl.load(succ_ptr + c[:, None] * RANK + d[None, :], mask=okc[:, None] & dk[None, :],
+                     other=0.0).to(tl.float32)
+        acc = tl.dot(pv * hv[None, :], tl.trans(sv), acc, input_precision="ieee")
+    un = tl.load(unary_ptr + row * K + i, mask=ik, other=0.0).to(tl.float32)
+    tl.store(tab_ptr + (row * KP + i[:, None]) * KP + i[None, :], acc + un[None, :])
+
+
+@triton.jit
+def _walk_kernel(tab_ptr, cand_ptr, u_ptr, path_ptr, q_ptr, J, K, temperature,
+                 SAMPLE: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr):
+    # program r: the serial walk over its rows' tables, the next table loaded before this
+    # step's pick (it does not depend on it)
+    if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
+        tl.extra.cuda.gdc_wait()
+    r = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, KP)
+    ik = i < K
+    tile = (r * J * KP + i[:, None]) * KP + i[None, :]
+    tab = tl.load(tab_ptr + tile)
+    prev = tl.zeros([], tl.int32)  # the anchor's table rows are all the same
     for j in range(J):
         row = r * J + j
-        pd = d.to(tl.int64) * 0 + prev  # the predecessor as a vector (the interpreter takes
-        okp = dk & (pd >= 0) & (pd < V)  # no scalar & vector mask)
-        pv = tl.load(pred_ptr + tl.where(okp, pd, 0) * RANK + d, mask=okp, other=0.0)
-        hv = tl.load(hid_ptr + row * RANK + d, mask=dk, other=0.0)
-        qv = pv.to(tl.float32) * hv.to(tl.float32)
+        nxt = tl.load(tab_ptr + tile + tl.minimum(j + 1, J - 1) * KP * KP)
         c = tl.load(cand_ptr + row * K + i, mask=ik, other=0)
-        okc = ik & (c >= 0) & (c < V)
-        sv = tl.load(succ_ptr + tl.where(okc, c, 0)[:, None] * RANK + d[None, :],
-                     mask=okc[:, None] & dk[None, :], other=0.0).to(tl.float32)
-        un = tl.load(unary_ptr + row * K + i, mask=ik, other=0.0).to(tl.float32)
-        score = tl.where(ik, un + tl.sum(sv * qv[None, :], axis=1), float("-inf"))
+        score = tl.sum(tl.where(i[:, None] == prev, tab, 0.0), axis=0)
+        score = tl.where(ik, score, float("-inf"))
         if SAMPLE:
             s = score / temperature
             e = tl.where(ik, tl.exp(s - tl.max(s, axis=0)), 0.0)
@@ -49,18 +84,19 @@ def _walk_kernel(unary_ptr, cand_ptr, hid_ptr, anchor_ptr, pred_ptr, succ_ptr, u
             cdf = tl.cumsum(q, axis=0)
             total = tl.sum(q, axis=0)
             over = (cdf > tl.load(u_ptr + row) * total) & ik
-            pick = tl.min(tl.where(over, i, BK), axis=0)
+            pick = tl.min(tl.where(over, i, KP), axis=0)
             pick = tl.where(pick < K, pick, K - 1)
         else:
             # the first NaN if the row has one (torch.argmax's rule), else the first maximum
             nan = (score != score) & ik
             best = tl.max(tl.where(nan, float("-inf"), score), axis=0)
             hit = tl.where(tl.max(nan.to(tl.int32), axis=0) > 0, nan, (score == best) & ik)
-            pick = tl.min(tl.where(hit, i, BK), axis=0)
+            pick = tl.min(tl.where(hit, i, KP), axis=0)
             q = tl.where(i == pick, 1.0, 0.0)
         tl.store(q_ptr + row * K + i, q, mask=ik)
-        prev = tl.sum(tl.where(i == pick, c, 0), axis=0)
-        tl.store(path_ptr + row, prev)
+        tl.store(path_ptr + row, tl.sum(tl.where(i == pick, c, 0), axis=0))
+        prev = pick
+        tab = nxt
 
 
 def select_candidates(unary, cand, hidden, anchor, pred, succ, temperature: float, u=None):
@@ -71,10 +107,14 @@ def select_candidates(unary, cand, hidden, anchor, pred, succ, temperature: floa
         return path, q
     rank = pred.shape[1]
     sample = temperature > 0
-    _walk_kernel[(r,)](unary, cand, hidden, anchor, pred, succ, u if sample else unary, path, q,
-                       j, k, rank, pred.shape[0], float(temperature) if sample else 1.0,
-                       SAMPLE=sample, BK=triton.next_power_of_2(k),
-                       BR=triton.next_power_of_2(max(rank, 1)), num_warps=4, **pdl_kwargs(unary.device))
+    kp = max(16, triton.next_power_of_2(k))  # tl.dot's smallest tile side
+    bd = min(max(16, triton.next_power_of_2(rank)), max(16, 4096 // kp))
+    tab = torch.empty((r, j, kp, kp), dtype=torch.float32, device=unary.device)
+    _table_kernel[(r, j)](unary, cand, hidden, anchor, pred, succ, tab, j, k, rank, pred.shape[0],
+                          KP=kp, BD=bd, num_warps=4, num_stages=1, **pdl_kwargs(unary.device))
+    _walk_kernel[(r,)](tab, cand, u if sample else unary, path, q, j, k,
+                       float(temperature) if sample else 1.0, SAMPLE=sample, KP=kp,
+                       num_warps=2 if kp <= 32 else 4, **pdl_kwargs(unary.device))
     return path, q
 
 
@@ -82,23 +122,24 @@ dispatch.register_backend("select_candidates", "triton", select_candidates)
 
 
 # ----------------------------------------------------------------------------- row_topk
-# z [M, V] in chunks of CHUNK entries, four launches: (1) each chunk's max (NaN as +inf); (2) a
-# program per row takes the k-th largest of its chunk maxima, a threshold T (-inf with fewer
-# than k chunks): k chunks hold an entry >= T each, so every one of the row's k best is >= T,
-# and a chunk whose max is below T holds none of them; (3) a program per (row, chunk) whose max
-# reaches T loads its chunk and takes its entries >= T best first, up to k, the others write
-# nothing but empty slots; (4) a program per row takes the k best of the chunks' candidates
-# and gathers the values from z (so they keep z's dtype and bits). An entry is one int64
-# (``_packed``: the key's bits made order-preserving in the high word, -0.0 as +0.0 and NaN
-# above +inf as the reference's sort, 2^31 - 1 - index in the low word), so the op's order is
-# the integers' and entries are distinct: a round is one max, then the pick dropped. Empty
-# slots are EMPTY, below every entry. At V 248320, k 16 z is read once plus at most ~k chunks
-# again, and only those chunks run rounds (the first version ran k rounds of two reductions in
-# every chunk: 56 us at M 7, 2.3 ms at M 448 on the H200, slower than torch.topk).
+# z [M, V] in chunks of CHUNK entries, four launches. An entry is one int64 (``_packed``: the
+# key's bits made order-preserving in the high word, -0.0 as +0.0 and NaN above +inf as the
+# reference's sort, 2^31 - 1 - index in the low word), so the op's order is the integers' and
+# entries are distinct: a round is one max, then the pick dropped; empty slots are EMPTY, below
+# every entry. (1) each chunk's best entry (``_argmax_chunk_kernel``); (2) a program per row
+# takes its k best chunk maxima in order: those k chunks and the k-th of them, the floor; every
+# other chunk's entries all lie below k chunk maxima, so the row's k best lie in those k chunks
+# and are >= the floor; (3) a program per (row, one of its k chunks) loads the chunk and takes
+# its entries >= the floor, best first, up to k (most chunks have one or two); (4) a program per
+# row merges the k x k candidates and gathers the values from z (they keep z's dtype and bits).
+# At V 248320, k 16: z read once plus k chunks a row again; the serial rounds run over 128
+# chunk maxima and 256 candidates, one warp each (the first version ran its rounds over every
+# chunk's candidates, 2,048 a row with four warps: 6.8 us of the 18.6 at 7 rows, H100).
 TOPK_CHUNK = 2048
 EMPTY = tl.constexpr(-(1 << 63))
-# warps of the four launches (benchmarks/topk_probe.py times other counts against these)
-TOPK_WARPS = {"chunk_max": 4, "threshold": 4, "chunk": 4, "merge": 4}
+# warps of the four launches; "merge" is the width up to 512 candidates a row, 4 above
+# (benchmarks/topk_probe.py times other counts against these)
+TOPK_WARPS = {"chunk_max": 4, "threshold": 1, "chunk": 4, "merge": 1}
 
 
 @triton.jit
@@ -111,55 +152,45 @@ def _packed(key, idx):
 
 
 @triton.jit
-def _key_of(packed):
-    hi = (packed >> 32).to(tl.int32)  # the order-preserving map is an involution
-    return (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+def _index_of(packed):
+    return 0x7FFFFFFF - (packed & 0xFFFFFFFF)
 
 
 @triton.jit
-def _chunk_max_kernel(z_ptr, stride_m, V, cmax_ptr, NCH, CHUNK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
-        tl.extra.cuda.gdc_wait()
-    m = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1).to(tl.int64)
-    offs = c * CHUNK + tl.arange(0, CHUNK).to(tl.int64)
-    x = tl.load(z_ptr + m * stride_m + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-    x = tl.where(x != x, float("inf"), x)
-    tl.store(cmax_ptr + m * NCH + c, tl.max(x, axis=0))
-
-
-@triton.jit
-def _threshold_kernel(cmax_ptr, thr_ptr, NCH, K: tl.constexpr, NP: tl.constexpr, PDL: tl.constexpr):
+def _topk_chunks_kernel(cmax_ptr, act_ptr, floor_ptr, NCH, K: tl.constexpr, KP: tl.constexpr,
+                        NP: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
         tl.extra.cuda.gdc_wait()
     m = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, NP)
-    key = tl.load(cmax_ptr + m * NCH + j, mask=j < NCH, other=float("-inf"))
-    packed = tl.where(j < NCH, _packed(key, j), EMPTY)
-    best = tl.max(packed, axis=0)
-    for _t in range(K - 1):  # the K-th largest, duplicates counted
-        packed = tl.where(packed == best, EMPTY, packed)
+    packed = tl.load(cmax_ptr + m * NCH + j, mask=j < NCH, other=EMPTY)
+    slot = tl.arange(0, KP)
+    top = tl.full([KP], EMPTY, tl.int64)  # the k best chunk maxima in order
+    for t in range(K):
         best = tl.max(packed, axis=0)
-    tl.store(thr_ptr + m, tl.where(best > EMPTY, _key_of(best), float("-inf")))
+        top = tl.where(slot == t, best, top)
+        packed = tl.where(packed == best, EMPTY, packed)
+    tl.store(act_ptr + m * K + slot, tl.where(top > EMPTY, _index_of(top) // CHUNK, -1),
+             mask=slot < K)
+    # the k-th of them (EMPTY with fewer than k chunks: every entry counts)
+    tl.store(floor_ptr + m, tl.min(tl.where(slot < K, top, -EMPTY - 1), axis=0))
 
 
 @triton.jit
-def _topk_chunk_kernel(z_ptr, stride_m, V, cmax_ptr, thr_ptr, cand_ptr, NCH,
-                       K: tl.constexpr, KP: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+def _topk_chunk_kernel(z_ptr, stride_m, V, act_ptr, floor_ptr, cand_ptr, K: tl.constexpr,
+                       KP: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
         tl.extra.cuda.gdc_wait()
     m = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1).to(tl.int64)
-    thr = tl.load(thr_ptr + m)
-    cm = tl.load(cmax_ptr + m * NCH + c)
-    offs = c * CHUNK + tl.arange(0, CHUNK).to(tl.int64)
-    # a chunk below the threshold is not even loaded (the max broadcast to the block: the
-    # interpreter cannot AND a scalar bool with a block)
-    inr = (offs < V) & ((tl.zeros([CHUNK], tl.float32) + cm) >= thr)
+    s = tl.program_id(1).to(tl.int64)
+    c = tl.load(act_ptr + m * K + s)  # -1: the row has fewer than k chunks
+    floor = tl.load(floor_ptr + m)
+    offs = tl.arange(0, CHUNK).to(tl.int64) + c * CHUNK
+    # (c broadcast to the block: the interpreter cannot AND a scalar bool with a block)
+    inr = (offs < V) & ((tl.zeros([CHUNK], tl.int64) + c) >= 0)
+    offs = tl.where(inr, offs, 0)
     key = tl.load(z_ptr + m * stride_m + offs, mask=inr, other=float("-inf")).to(tl.float32)
     packed = tl.where(inr, _packed(key, offs), EMPTY)
-    # the lowest entry of key thr: every entry below it is none of the row's k best
-    floor = _packed(thr, tl.full([], 0x7FFFFFFF, tl.int64))
     slot = tl.arange(0, KP)
     out = tl.full([KP], EMPTY, tl.int64)
     best = tl.max(packed, axis=0)
@@ -169,7 +200,7 @@ def _topk_chunk_kernel(z_ptr, stride_m, V, cmax_ptr, thr_ptr, cand_ptr, NCH,
         packed = tl.where(packed == best, EMPTY, packed)
         best = tl.max(packed, axis=0)
         t += 1
-    tl.store(cand_ptr + (m * NCH + c) * KP + slot, out)
+    tl.store(cand_ptr + (m * K + s) * KP + slot, out)
 
 
 @triton.jit
@@ -184,7 +215,7 @@ def _topk_merge_kernel(z_ptr, stride_m, cand_ptr, val_ptr, out_idx_ptr, N,
     out_i = tl.full([KP], -1, tl.int64)
     for t in range(K):  # k <= V: the row has k entries
         best = tl.max(packed, axis=0)
-        out_i = tl.where(slot == t, 0x7FFFFFFF - (best & 0xFFFFFFFF), out_i)
+        out_i = tl.where(slot == t, _index_of(best), out_i)
         packed = tl.where(packed == best, EMPTY, packed)
     ok = slot < K
     v = tl.load(z_ptr + m * stride_m + tl.where(ok, out_i, 0), mask=ok)
@@ -201,20 +232,21 @@ def row_topk(z, k: int):
     kp = triton.next_power_of_2(k)
     chunk = min(TOPK_CHUNK, triton.next_power_of_2(v))
     nch = triton.cdiv(v, chunk)
-    cmax = torch.empty((m, nch), dtype=torch.float32, device=z.device)
-    thr = torch.empty((m,), dtype=torch.float32, device=z.device)
-    cand = torch.empty((m, nch, kp), dtype=torch.long, device=z.device)
+    cmax = torch.empty((m, nch), dtype=torch.int64, device=z.device)
+    act = torch.empty((m, k), dtype=torch.int64, device=z.device)
+    floor = torch.empty((m,), dtype=torch.int64, device=z.device)
+    cand = torch.empty((m, k, kp), dtype=torch.long, device=z.device)
     w = TOPK_WARPS
-    _chunk_max_kernel[(m, nch)](z, z.stride(0), v, cmax, nch, CHUNK=chunk,
-                                num_warps=w["chunk_max"], **pdl_kwargs(z.device))
-    _threshold_kernel[(m,)](cmax, thr, nch, K=k, NP=triton.next_power_of_2(nch),
-                            num_warps=w["threshold"], **pdl_kwargs(z.device))
-    _topk_chunk_kernel[(m, nch)](z, z.stride(0), v, cmax, thr, cand, nch, K=k, KP=kp,
-                                 CHUNK=chunk, num_warps=w["chunk"], **pdl_kwargs(z.device))
-    n = nch * kp
-    _topk_merge_kernel[(m,)](z, z.stride(0), cand, vals, idx, n, K=k, KP=kp,
-                             NP=triton.next_power_of_2(n), num_warps=w["merge"],
-                             **pdl_kwargs(z.device))
+    _argmax_chunk_kernel[(m, nch)](z, z.stride(0), v, cmax, idx, nch, CHUNK=chunk, FINAL=False,
+                                   num_warps=w["chunk_max"], **pdl_kwargs(z.device))
+    _topk_chunks_kernel[(m,)](cmax, act, floor, nch, K=k, KP=kp, NP=triton.next_power_of_2(nch),
+                              CHUNK=chunk, num_warps=w["threshold"], **pdl_kwargs(z.device))
+    _topk_chunk_kernel[(m, k)](z, z.stride(0), v, act, floor, cand, K=k, KP=kp, CHUNK=chunk,
+                               num_warps=w["chunk"], **pdl_kwargs(z.device))
+    n = k * kp
+    np_ = triton.next_power_of_2(n)
+    _topk_merge_kernel[(m,)](z, z.stride(0), cand, vals, idx, n, K=k, KP=kp, NP=np_,
+                             num_warps=w["merge"] if np_ <= 512 else 4, **pdl_kwargs(z.device))
     return vals, idx
 
 
