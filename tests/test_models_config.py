@@ -269,6 +269,15 @@ def test_dflash2_zlab_fields():
     with pytest.raises(ValueError, match="conv_kernel_size") as e:
         DFlashConfig.from_dict(d2, SRC)
     assert SRC in str(e.value)
+    from dflash_ops.models.config import SELECTOR_TOP_K_MAX
+    from dflash_ops.ops.select import TOPK_MAX
+    assert SELECTOR_TOP_K_MAX == TOPK_MAX
+    for top in (0, TOPK_MAX + 1):  # the selector's kernels take 1..TOPK_MAX candidates
+        bad = tiny_zlab(architectures=["DFlash2DraftModel"], dc=dict(d["dflash_config"],
+                                                                     selector_top_k=top))
+        with pytest.raises(ValueError, match="selector_top_k") as e:
+            DFlashConfig.from_dict(bad, SRC)
+        assert SRC in str(e.value)
 
 
 # ------------------------------------------------------------------------------ errors

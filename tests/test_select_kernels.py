@@ -25,7 +25,7 @@ from dflash_ops.ops.select import (ARGMAX_MAX_V, TOPK_MAX, argmax_last, row_argm
 
 
 def case(r, j, k, rank, v, temperature=0.0, dtype=torch.float32, seed=0, device="cpu",
-         bad_ids=False, mixed=False, nans=False):
+         bad_ids=False, mixed=False, nans=False, big_anchor=False):
     """``mixed``: unary fp32 (torch.topk of fp32 logits) and hidden fp16 beside codebooks of
     ``dtype``: each of the three may have its own float dtype. ``nans``: NaN unary scores (one
     beside a +inf, two in a row, a row all NaN): greedy picks the first NaN, as torch.argmax."""
@@ -37,6 +37,8 @@ def case(r, j, k, rank, v, temperature=0.0, dtype=torch.float32, seed=0, device=
         cand[0, 0, 0] = v + 3
         cand[-1, -1, -1] = -2
         anchor[0] = -1
+    if big_anchor:  # an anchor id past the codebooks: a zero predecessor row, as -1
+        anchor[-1] = v
     unary = torch.randn(r, j, k, generator=g)
     if nans:
         unary[0, 0, 1], unary[0, 0, 2] = float("inf"), float("nan")
@@ -107,14 +109,17 @@ def test_sampled_draws_follow_q():
 
 GRID = [dict(r=3, j=7, k=4, rank=8, v=50), dict(r=2, j=3, k=20, rank=33, v=100),
         dict(r=1, j=1, k=1, rank=4, v=9), dict(r=4, j=5, k=16, rank=64, v=300, bad_ids=True),
-        dict(r=2, j=4, k=6, rank=16, v=40, nans=True)]
+        dict(r=2, j=4, k=6, rank=16, v=40, nans=True),
+        dict(r=2, j=1, k=7, rank=16, v=60, big_anchor=True),  # one row: the anchor's table only
+        dict(r=1, j=3, k=40, rank=20, v=200)]  # [64, 64] tables: the walk's 4-warp width
 
 
 # the CUDA kernel's (dims a lane, candidates a warp) variants: rank 8-512, k 1-32
 GPU_GRID = GRID + [dict(r=2, j=7, k=16, rank=256, v=1000), dict(r=3, j=4, k=8, rank=512, v=700),
                    dict(r=2, j=6, k=32, rank=128, v=500), dict(r=1, j=15, k=9, rank=100, v=64),
                    dict(r=3, j=7, k=16, rank=256, v=900, mixed=True),
-                   dict(r=2, j=40, k=32, rank=128, v=700)]  # ids past the kernel's smem copy
+                   dict(r=2, j=40, k=32, rank=128, v=700),  # ids past the kernel's smem copy
+                   dict(r=2, j=5, k=TOPK_MAX, rank=256, v=500)]  # Triton's largest tables
 
 
 def check_backend(device, dtypes, backend="triton", grid=GRID):
@@ -184,7 +189,7 @@ def test_graph_replay_gpu(backend):
 
 # ----------------------------------------------------------------------------- row_topk
 def topk_case(m, v, k, ties=False, dtype=torch.float32, seed=0, device="cpu", infs=False,
-              flat=False, zeros=False, nans=False):
+              flat=False, zeros=False, nans=False, fill=None):
     g = torch.Generator().manual_seed(seed)
     z = torch.zeros(m, v) if flat else torch.randn(m, v, generator=g)  # flat: every entry ties
     if nans:  # NaN of either sign sorts above +inf (a +inf at a lower index comes after it)
@@ -199,6 +204,8 @@ def topk_case(m, v, k, ties=False, dtype=torch.float32, seed=0, device="cpu", in
     if infs:
         z[0, v // 2] = float("inf")
         z[-1, : min(v, 5)] = float("-inf")
+    if fill is not None:  # a whole row of one value (NaN, -inf): every entry ties
+        z[0] = fill
     return z.to(device, dtype), k
 
 
@@ -215,11 +222,15 @@ def test_topk_reference_is_torch_topk_with_ties_by_index():
 TOPK_GRID = [dict(m=3, v=97, k=5, ties=True), dict(m=2, v=5000, k=16),
              dict(m=1, v=16, k=16, infs=True), dict(m=4, v=2049, k=TOPK_MAX),
              dict(m=2, v=4100, k=7, ties=True, infs=True), dict(m=1, v=1, k=1),
-             # more chunks than k: the chunk-max threshold skips chunks (ties across it too)
+             # more chunks than k: only the k best chunks are read again (ties across them too)
              dict(m=2, v=40000, k=5), dict(m=2, v=30000, k=3, ties=True, infs=True),
              dict(m=1, v=20000, k=4, flat=True), dict(m=2, v=9000, k=6, zeros=True),
-             dict(m=2, v=30000, k=4, nans=True)]
-GPU_TOPK_GRID = TOPK_GRID + [dict(m=7, v=248320, k=16), dict(m=56, v=151936, k=16, ties=True)]
+             dict(m=2, v=30000, k=4, nans=True),
+             # k > 16 with more chunks than k: 640 candidates, the merge's 4-warp width
+             dict(m=2, v=50000, k=20, ties=True),
+             dict(m=2, v=5000, k=6, fill=float("nan")), dict(m=2, v=5000, k=6, fill=-float("inf"))]
+GPU_TOPK_GRID = TOPK_GRID + [dict(m=7, v=248320, k=16), dict(m=56, v=151936, k=16, ties=True),
+                             dict(m=3, v=248320, k=TOPK_MAX), dict(m=3, v=151936, k=33, ties=True)]
 
 
 def check_topk(device, dtypes, grid=TOPK_GRID, backend="triton"):

@@ -24,6 +24,8 @@ from .hf_config import (
 __all__ = ["DFlashConfig", "validate_fc", "default_target_layer_ids"]
 
 _MODEL_TYPES = ("dflash", "dflash2")
+# The selector's largest top-k (ops.select.TOPK_MAX: the kernels' tiles; a test checks they agree).
+SELECTOR_TOP_K_MAX = 64
 # speculators' DFlash2SpeculatorConfig defaults for the conv / selector fields.
 _DFLASH2_SPECULATORS_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16,
                                  "selector_rank": 256, "selector_top_k": 16}
@@ -176,6 +178,12 @@ class DFlashConfig:
             if self.hidden_size % self.conv_group_size:
                 raise fail(src, "conv_group_size", f"{self.conv_group_size} does not divide "
                                                    f"hidden_size={self.hidden_size}")
+            vocab = self.draft_vocab_size or self.vocab_size  # the logits the selector reads
+            top = min(SELECTOR_TOP_K_MAX, vocab)
+            if not 1 <= self.selector_top_k <= top:
+                raise fail(src, "selector_top_k", f"{self.selector_top_k} is not in [1, {top}] "
+                                                  f"(row_topk's largest k, {SELECTOR_TOP_K_MAX}, "
+                                                  f"and the logits' width, {vocab})")
 
     # ------------------------------------------------------------------ per-layer rules
     def layer_causal(self, i: int) -> bool:

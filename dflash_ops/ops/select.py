@@ -42,6 +42,9 @@ def _check(unary, cand, hidden, anchor, pred, succ, temperature, u=None):
     if k < 1 and r * j:
         C.fail(op, f"unary must have k >= 1 candidates a row (its last dim), got shape "
                    f"{list(unary.shape)}")
+    if k > TOPK_MAX:  # row_topk's largest; the Triton walk's [k, k] tables spill past 64
+        C.fail(op, f"unary must have k <= {TOPK_MAX} candidates a row (its last dim, "
+                   f"row_topk's largest k), got shape {list(unary.shape)}")
     dev = unary.device
     C.tensor(op, "cand", cand, shape=(r, j, k), dtype=torch.int64, device=dev, contiguous=True)
     C.tensor(op, "anchor", anchor, shape=(r,), dtype=torch.int64, device=dev, contiguous=True)
@@ -101,8 +104,9 @@ def _fake(unary, cand, hidden, anchor, pred, succ, temperature, u=None):
             unary.new_empty((r, j, k), dtype=torch.float32))
 
 
-# Default triton until the CUDA kernel (csrc/select.cu) is measured against it on the H200; the
-# CUDA kernel refuses k / rank combinations it lacks registers for (Triton takes any).
+# Default triton: 12.1 us at R 1, J 7, k 16, rank 256 on the H100 (session 43), the CUDA kernel
+# (csrc/select.cu, the walk in one pass) 59 us; the CUDA kernel refuses k / rank combinations it
+# lacks registers for (Triton takes any k <= TOPK_MAX, any rank).
 dispatch.define_op(
     "select_candidates(Tensor unary, Tensor cand, Tensor hidden, Tensor anchor, Tensor pred, "
     "Tensor succ, float temperature, Tensor? u=None) -> (Tensor, Tensor)",
@@ -139,9 +143,9 @@ def _fake_topk(z, k):
     return z.new_empty((z.shape[0], k)), z.new_empty((z.shape[0], k), dtype=torch.long)
 
 
-# Default triton (H200, 2026-12-02: 27 / 53 / 275 us at 7 / 56 / 448 rows of 248320, 2.1-3.2x
-# faster than torch.topk); the CUDA kernel (csrc/select_topk.cu, the same algorithm) is not
-# yet measured.
+# Default triton (H100, session 43: 14.7 / 165 us at 7 / 448 rows of 248320, 4.1-5.4x faster
+# than torch.topk); the CUDA kernel (csrc/select_topk.cu, the earlier chunk-max threshold
+# algorithm) takes 27.5 / 207 us there.
 dispatch.define_op("row_topk(Tensor z, int k) -> (Tensor, Tensor)", validate=_check_topk,
                    reference=row_topk_ref, fake=_fake_topk, default="triton")
 
@@ -246,6 +250,9 @@ def bad_samples() -> dict:
     return {_OP: [
         ("unary-int", to("unary", dtype=torch.int32), "unary"),
         ("unary-rank-2", set_(unary=rnd(3, 4)), "unary"),
+        ("unary-k-above-max", set_(unary=rnd(3, 7, TOPK_MAX + 1),
+                                   cand=torch.zeros(3, 7, TOPK_MAX + 1, dtype=torch.long)),
+         "unary"),
         ("unary-no-candidates", set_(unary=rnd(3, 7, 0), cand=torch.zeros(3, 7, 0,
                                                                           dtype=torch.long)),
          "unary"),
