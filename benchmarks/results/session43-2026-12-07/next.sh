@@ -4,7 +4,8 @@
 # at k 40 and 64, top-k at k 33 and 64 over a full vocabulary: interpreter-checked only), then
 # - an H200: session 40's call.sh with what is left of BUDGET (issue 18's grid for the record);
 # - an H100: the DFlash 2 step's whole kernel profile at 1 x 1k (40 rows: the selector and the
-#   top-k launches beside the projections and convs), the input of issue 16's next change.
+#   top-k launches beside the projections and convs), then fork_probe.py (does a graph branch
+#   for the projection's finish half pay?), the inputs of issue 16's next change.
 set -u
 O=$OUT; t0=$(date +%s); export OP_CHECK=0
 left() { echo $(( ${BUDGET:-570} - ($(date +%s) - t0) )); }
@@ -18,6 +19,7 @@ case "$gpu" in
   *H200*) OUT=$O BUDGET=$(left) bash benchmarks/results/session40-2026-12-07/call.sh ;;
   *) timeout $(( $(left) - 10 )) python3 benchmarks/profile_step.py --graph --rows 40 \
        --cases dflash2:1x1024 > $O/profile_d2.log 2>&1
-     grep -E "GPU time|_kernel|nvjet" $O/profile_d2.log | head -60 ;;
+     grep -E "GPU time|_kernel|nvjet" $O/profile_d2.log | head -60
+     timeout 120 python3 benchmarks/fork_probe.py > $O/fork_probe.log 2>&1; tail -8 $O/fork_probe.log ;;
 esac
 echo "total: $(( $(date +%s) - t0 )) s"
