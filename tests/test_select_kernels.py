@@ -110,8 +110,8 @@ def test_sampled_draws_follow_q():
 GRID = [dict(r=3, j=7, k=4, rank=8, v=50), dict(r=2, j=3, k=20, rank=33, v=100),
         dict(r=1, j=1, k=1, rank=4, v=9), dict(r=4, j=5, k=16, rank=64, v=300, bad_ids=True),
         dict(r=2, j=4, k=6, rank=16, v=40, nans=True),
-        dict(r=2, j=1, k=7, rank=16, v=60, big_anchor=True),  # one row: the anchor's table only
-        dict(r=1, j=3, k=40, rank=20, v=200)]  # [64, 64] tables: the walk's 4-warp width
+        dict(r=2, j=1, k=7, rank=16, v=60, big_anchor=True),  # one row: the anchor only
+        dict(r=1, j=3, k=40, rank=20, v=200)]  # k 40: a 64-wide candidate tile
 
 
 # the CUDA kernel's (dims a lane, candidates a warp) variants: rank 8-512, k 1-32
@@ -119,7 +119,7 @@ GPU_GRID = GRID + [dict(r=2, j=7, k=16, rank=256, v=1000), dict(r=3, j=4, k=8, r
                    dict(r=2, j=6, k=32, rank=128, v=500), dict(r=1, j=15, k=9, rank=100, v=64),
                    dict(r=3, j=7, k=16, rank=256, v=900, mixed=True),
                    dict(r=2, j=40, k=32, rank=128, v=700),  # ids past the kernel's smem copy
-                   dict(r=2, j=5, k=TOPK_MAX, rank=256, v=500)]  # Triton's largest tables
+                   dict(r=2, j=5, k=TOPK_MAX, rank=256, v=500)]  # the largest k
 
 
 def check_backend(device, dtypes, backend="triton", grid=GRID):

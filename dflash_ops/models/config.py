@@ -180,7 +180,7 @@ class DFlashConfig:
                                                    f"hidden_size={self.hidden_size}")
             vocab = self.draft_vocab_size or self.vocab_size  # the logits the selector reads
             top = min(SELECTOR_TOP_K_MAX, vocab)
-            if not 1 <= self.selector_top_k <= top:
+            if self.selector_top_k > top:  # (positive: checked with the other counts)
                 raise fail(src, "selector_top_k", f"{self.selector_top_k} is not in [1, {top}] "
                                                   f"(row_topk's largest k, {SELECTOR_TOP_K_MAX}, "
                                                   f"and the logits' width, {vocab})")

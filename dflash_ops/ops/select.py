@@ -42,7 +42,7 @@ def _check(unary, cand, hidden, anchor, pred, succ, temperature, u=None):
     if k < 1 and r * j:
         C.fail(op, f"unary must have k >= 1 candidates a row (its last dim), got shape "
                    f"{list(unary.shape)}")
-    if k > TOPK_MAX:  # row_topk's largest; the Triton walk's [k, k] tables spill past 64
+    if k > TOPK_MAX:  # row_topk's largest: no candidate list of the selector is longer
         C.fail(op, f"unary must have k <= {TOPK_MAX} candidates a row (its last dim, "
                    f"row_topk's largest k), got shape {list(unary.shape)}")
     dev = unary.device
@@ -104,8 +104,8 @@ def _fake(unary, cand, hidden, anchor, pred, succ, temperature, u=None):
             unary.new_empty((r, j, k), dtype=torch.float32))
 
 
-# Default triton: 12.1 us at R 1, J 7, k 16, rank 256 on the H100 (session 43), the CUDA kernel
-# (csrc/select.cu, the walk in one pass) 59 us; the CUDA kernel refuses k / rank combinations it
+# Default triton: 14.1 us at R 1, J 7, k 16, rank 256 on the H100 (session 43), the CUDA kernel
+# (csrc/select.cu, the same walk) 59 us; the CUDA kernel refuses k / rank combinations it
 # lacks registers for (Triton takes any k <= TOPK_MAX, any rank).
 dispatch.define_op(
     "select_candidates(Tensor unary, Tensor cand, Tensor hidden, Tensor anchor, Tensor pred, "

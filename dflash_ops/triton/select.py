@@ -1,17 +1,14 @@
 """Triton kernels of ``select_candidates`` (``ops/select.py``, DFlash 2's selector walk) and of
 ``row_topk`` / ``row_argmax``.
 
-The walk in two launches. The score of candidate i of mask row j depends on the row's pick
-before it only through the predecessor's codebook row, and that predecessor is one of the k
-candidates of row j - 1 (the anchor at j = 0): so (1) a program per (request, row) gathers
-those k predecessor rows, the row's projected hidden state and its k successor rows at once
-and writes the row's whole score table [k predecessors, k candidates] (unary + the bilinear
-term, one fp32 dot); (2) a program per request walks its rows in order, each step one row of
-a table already in registers (the next table loaded before the pick), and picks (greedy: the
-first maximum, NaN first; sampled: softmax(score / T) and the first running sum past the row's
-uniform), writing q and the pick. The serial chain holds no memory round trip on the codebooks
-(the single-launch walk paid two a row: 13-14 us at 7 rows on the H100). Ids outside [0, V)
-read as zero rows. Grids from the shapes only: graph-capturable.
+The walk: one program per request walks its J mask rows in order (each pick is the next row's
+predecessor): it loads the predecessor's codebook row and the row's projected hidden state
+(rank values each), the k candidates' successor rows (a [k, rank] tile), forms the k scores,
+picks (greedy: the first maximum; sampled: softmax(score / T) and the first running sum past the
+row's uniform) and writes q and the pick. Ids outside [0, V) read as zero rows. Grid (R,) from
+the shapes only: graph-capturable. (A table a row of every predecessor's scores, then a walk
+over the tables, was measured twice and not kept: no change to the DFlash 2 step in session
+38, and in session 43 -2 us at one request but +14 us at 64; benchmarks/NOTES.md.)
 """
 from __future__ import annotations
 
@@ -24,59 +21,30 @@ from ._pdl import pdl_kwargs
 
 
 @triton.jit
-def _table_kernel(unary_ptr, cand_ptr, hid_ptr, anchor_ptr, pred_ptr, succ_ptr, tab_ptr, J, K,
-                  RANK, V, KP: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
-    # program (r, j): the row's score table tab[a, i] = unary[i] + <pred[p_a] * hid, succ[c_i]>
-    # for every predecessor p_a the walk can arrive with (j 0: the anchor, in every a; else the
-    # previous row's candidates) and every candidate c_i of the row
+def _walk_kernel(unary_ptr, cand_ptr, hid_ptr, anchor_ptr, pred_ptr, succ_ptr, u_ptr, path_ptr,
+                 q_ptr, J, K, RANK, V, temperature, SAMPLE: tl.constexpr, BK: tl.constexpr,
+                 BR: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
         tl.extra.cuda.gdc_wait()
     r = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1).to(tl.int64)
-    row = r * J + j
-    i = tl.arange(0, KP)
+    i = tl.arange(0, BK)
+    d = tl.arange(0, BR)
     ik = i < K
-    later = (tl.zeros([KP], tl.int64) + j) > 0  # (the interpreter takes no scalar & vector)
-    pc = tl.load(cand_ptr + tl.where(later, row - 1, 0) * K + i, mask=ik & later, other=0)
-    pa = tl.where(later, pc, tl.zeros([KP], tl.int64) + tl.load(anchor_ptr + r))
-    okp = ik & (pa >= 0) & (pa < V)  # ids outside [0, V) read as zero rows
-    pa = tl.where(okp, pa, 0)
-    c = tl.load(cand_ptr + row * K + i, mask=ik, other=0)
-    okc = ik & (c >= 0) & (c < V)
-    c = tl.where(okc, c, 0)
-    acc = tl.zeros([KP, KP], dtype=tl.float32)
-    for d0 in range(0, RANK, BD):
-        d = d0 + tl.arange(0, BD)
-        dk = d < RANK
-        pv = tl.load(pred_ptr + pa[:, None] * RANK + d[None, :], mask=okp[:, None] & dk[None, :],
-                     other=0.0).to(tl.float32)
-        hv = tl.load(hid_ptr + row * RANK + d, mask=dk, other=0.0).to(tl.float32)
-        sv = tl.load(succ_ptr + c[:, None] * RANK + d[None, :], mask=okc[:, None] & dk[None, :],
-                     other=0.0).to(tl.float32)
-        acc = tl.dot(pv * hv[None, :], tl.trans(sv), acc, input_precision="ieee")
-    un = tl.load(unary_ptr + row * K + i, mask=ik, other=0.0).to(tl.float32)
-    tl.store(tab_ptr + (row * KP + i[:, None]) * KP + i[None, :], acc + un[None, :])
-
-
-@triton.jit
-def _walk_kernel(tab_ptr, cand_ptr, u_ptr, path_ptr, q_ptr, J, K, temperature,
-                 SAMPLE: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr):
-    # program r: the serial walk over its rows' tables, the next table loaded before this
-    # step's pick (it does not depend on it)
-    if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
-        tl.extra.cuda.gdc_wait()
-    r = tl.program_id(0).to(tl.int64)
-    i = tl.arange(0, KP)
-    ik = i < K
-    tile = (r * J * KP + i[:, None]) * KP + i[None, :]
-    tab = tl.load(tab_ptr + tile)
-    prev = tl.zeros([], tl.int32)  # the anchor's table rows are all the same
+    dk = d < RANK
+    prev = tl.load(anchor_ptr + r)
     for j in range(J):
         row = r * J + j
-        nxt = tl.load(tab_ptr + tile + tl.minimum(j + 1, J - 1) * KP * KP)
+        pd = d.to(tl.int64) * 0 + prev  # the predecessor as a vector (the interpreter takes
+        okp = dk & (pd >= 0) & (pd < V)  # no scalar & vector mask)
+        pv = tl.load(pred_ptr + tl.where(okp, pd, 0) * RANK + d, mask=okp, other=0.0)
+        hv = tl.load(hid_ptr + row * RANK + d, mask=dk, other=0.0)
+        qv = pv.to(tl.float32) * hv.to(tl.float32)
         c = tl.load(cand_ptr + row * K + i, mask=ik, other=0)
-        score = tl.sum(tl.where(i[:, None] == prev, tab, 0.0), axis=0)
-        score = tl.where(ik, score, float("-inf"))
+        okc = ik & (c >= 0) & (c < V)
+        sv = tl.load(succ_ptr + tl.where(okc, c, 0)[:, None] * RANK + d[None, :],
+                     mask=okc[:, None] & dk[None, :], other=0.0).to(tl.float32)
+        un = tl.load(unary_ptr + row * K + i, mask=ik, other=0.0).to(tl.float32)
+        score = tl.where(ik, un + tl.sum(sv * qv[None, :], axis=1), float("-inf"))
         if SAMPLE:
             s = score / temperature
             e = tl.where(ik, tl.exp(s - tl.max(s, axis=0)), 0.0)
@@ -84,19 +52,18 @@ def _walk_kernel(tab_ptr, cand_ptr, u_ptr, path_ptr, q_ptr, J, K, temperature,
             cdf = tl.cumsum(q, axis=0)
             total = tl.sum(q, axis=0)
             over = (cdf > tl.load(u_ptr + row) * total) & ik
-            pick = tl.min(tl.where(over, i, KP), axis=0)
+            pick = tl.min(tl.where(over, i, BK), axis=0)
             pick = tl.where(pick < K, pick, K - 1)
         else:
             # the first NaN if the row has one (torch.argmax's rule), else the first maximum
             nan = (score != score) & ik
             best = tl.max(tl.where(nan, float("-inf"), score), axis=0)
             hit = tl.where(tl.max(nan.to(tl.int32), axis=0) > 0, nan, (score == best) & ik)
-            pick = tl.min(tl.where(hit, i, KP), axis=0)
+            pick = tl.min(tl.where(hit, i, BK), axis=0)
             q = tl.where(i == pick, 1.0, 0.0)
         tl.store(q_ptr + row * K + i, q, mask=ik)
-        tl.store(path_ptr + row, tl.sum(tl.where(i == pick, c, 0), axis=0))
-        prev = pick
-        tab = nxt
+        prev = tl.sum(tl.where(i == pick, c, 0), axis=0)
+        tl.store(path_ptr + row, prev)
 
 
 def select_candidates(unary, cand, hidden, anchor, pred, succ, temperature: float, u=None):
@@ -107,14 +74,10 @@ def select_candidates(unary, cand, hidden, anchor, pred, succ, temperature: floa
         return path, q
     rank = pred.shape[1]
     sample = temperature > 0
-    kp = max(16, triton.next_power_of_2(k))  # tl.dot's smallest tile side
-    bd = min(max(16, triton.next_power_of_2(rank)), max(16, 4096 // kp))
-    tab = torch.empty((r, j, kp, kp), dtype=torch.float32, device=unary.device)
-    _table_kernel[(r, j)](unary, cand, hidden, anchor, pred, succ, tab, j, k, rank, pred.shape[0],
-                          KP=kp, BD=bd, num_warps=4, num_stages=1, **pdl_kwargs(unary.device))
-    _walk_kernel[(r,)](tab, cand, u if sample else unary, path, q, j, k,
-                       float(temperature) if sample else 1.0, SAMPLE=sample, KP=kp,
-                       num_warps=2 if kp <= 32 else 4, **pdl_kwargs(unary.device))
+    _walk_kernel[(r,)](unary, cand, hidden, anchor, pred, succ, u if sample else unary, path, q,
+                       j, k, rank, pred.shape[0], float(temperature) if sample else 1.0,
+                       SAMPLE=sample, BK=triton.next_power_of_2(k),
+                       BR=triton.next_power_of_2(max(rank, 1)), num_warps=4, **pdl_kwargs(unary.device))
     return path, q
 
 
@@ -273,7 +236,7 @@ def _argmax_chunk_kernel(z_ptr, stride_m, V, part_ptr, idx_ptr, NCH, CHUNK: tl.c
     x = tl.load(z_ptr + m * stride_m + offs, mask=inr, other=float("-inf")).to(tl.float32)
     best = tl.max(tl.where(inr, _packed(x, offs), EMPTY), axis=0)
     if FINAL:  # the row is one chunk
-        tl.store(idx_ptr + m, 0x7FFFFFFF - (best & 0xFFFFFFFF))
+        tl.store(idx_ptr + m, _index_of(best))
     else:
         tl.store(part_ptr + m * NCH + c, best)
 
@@ -285,7 +248,7 @@ def _argmax_merge_kernel(part_ptr, idx_ptr, NCH, NP: tl.constexpr, PDL: tl.const
     m = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, NP)
     best = tl.max(tl.load(part_ptr + m * NCH + j, mask=j < NCH, other=EMPTY), axis=0)
-    tl.store(idx_ptr + m, 0x7FFFFFFF - (best & 0xFFFFFFFF))
+    tl.store(idx_ptr + m, _index_of(best))
 
 
 def row_argmax(z):
