@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # session 43's branch check (H100 or H200; carry .prebuilt, .whl, .old): .old is a worktree of
-# branch proj-branch (e2e5d3b: the DFlash 2 projection's finish half on a graph branch) with a
+# branch proj-branch (2fe208b: the DFlash 2 projection's finish half on a graph branch) with a
 # copy of main's .prebuilt (csrc unchanged):
 #   git worktree add .old proj-branch && cp -r .prebuilt .old/
 # Runs fork_probe first (does a branch pay at all?), then bench dflash2-step at 1 x 1k and
