@@ -65,7 +65,7 @@ def _timer(variant: str):
     return events
 
 
-def _llm(root, variant, max_batch, max_len, dtype):
+def _llm(root, variant, max_batch, max_len, dtype, gpu_memory=0.6):
     from vllm import LLM
     spec = None
     if variant != "plain":
@@ -73,7 +73,7 @@ def _llm(root, variant, max_batch, max_len, dtype):
                 "num_speculative_tokens": BLOCK - 1,
                 "attention_backend": "CUSTOM" if variant == "custom" else "TRITON_ATTN"}
     return LLM(model=os.path.join(root, "target"), skip_tokenizer_init=True, dtype=dtype,
-               max_model_len=max_len, max_num_seqs=max_batch, gpu_memory_utilization=0.6,
+               max_model_len=max_len, max_num_seqs=max_batch, gpu_memory_utilization=gpu_memory,
                enable_prefix_caching=False, seed=0, disable_log_stats=False,
                max_num_batched_tokens=max(8192, max_len),
                attention_config={"backend": "TRITON_ATTN"}, speculative_config=spec)
@@ -274,7 +274,8 @@ def run(args) -> int:
         vocab = json.load(f)["vocab_size"]
     events = _timer(args.variant) if args.variant != "plain" else []
     t0 = time.time()
-    llm = _llm(args.root, args.variant, max(batches), max(contexts) + args.new + 64, args.dtype)
+    llm = _llm(args.root, args.variant, max(batches), max(contexts) + args.new + 64, args.dtype,
+               args.gpu_memory)
     start_s = time.time() - t0
     g = torch.Generator().manual_seed(0)
 
@@ -465,6 +466,8 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--budget-s", type=float, default=480)
+    p.add_argument("--gpu-memory", type=float, default=0.6, metavar="F",
+                   help="vLLM's gpu_memory_utilization (0.85 fits 32 x 32k on an 80 GB card)")
     p.add_argument("--profile", type=int, default=0, metavar="P",
                    help="also profile P decode tokens a case (torch.profiler): each kernel's "
                         "GPU time an iteration in the record")
