@@ -132,6 +132,44 @@ def test_dflash2_parity_gpu(tmp_path, dtype, tol):
         dtype=dtype, tol=tol)
 
 
+@pytest.mark.gpu
+def test_selector_branch_under_graph_gpu(tmp_path):
+    """In a graphed call the selector's hidden projection runs on ``streams.side_stream``
+    beside the LM head (a branch of the graph, joined before the walk): greedy and sampled
+    proposals replayed from one capture each, with other block tokens and uniforms on every
+    replay, equal the eager calls' bit for bit (bf16, default backends)."""
+    from dflash_ops import dispatch, streams
+    d = cfg_dict(block_size=8, k=3, gs=8, rank=16, top_k=6)
+    state = {k: v.detach().clone() for k, v in reference(d, 3).state_dict().items()}
+    save_zlab(tmp_path, d, state)
+    dev, gen = "cuda", torch.Generator().manual_seed(5)
+    ours = DFlashDrafter(DFlashConfig.from_pretrained(tmp_path), load_state(tmp_path),
+                         embed_tokens=torch.randn(VOCAB, H, generator=gen),
+                         lm_head=torch.randn(VOCAB, H, generator=gen) * H ** -0.5,
+                         dtype=torch.bfloat16, device=dev, num_blocks=16, cache_block_size=4,
+                         max_requests=2, max_len=64)
+    for r in (0, 1):
+        ours.cache.add_request(r)
+    req = torch.tensor([0, 1], device=dev)
+    f = torch.randn(2 * 9, 2 * H, generator=gen).to(dev)
+    ours.add_context(f, req.repeat_interleave(9), torch.arange(9, device=dev).repeat(2))
+    ids = torch.full((2, 8), MASK, device=dev)
+    start = torch.tensor([9, 9], device=dev)
+    u = torch.rand(2, 7, device=dev)
+    g1, (drafts, _) = dispatch.capture_graph(lambda: ours.propose(ids, req, start, logits=False))
+    g2, sampled = dispatch.capture_graph(lambda: ours.propose_sampled(ids, req, start, 0.9, u))
+    assert torch.device(dev, torch.cuda.current_device()) in streams._SIDE  # the branch ran
+    for tok in ((5, 7), (0, 99), (42, 42)):
+        ids[:, 0] = torch.tensor(tok, device=dev)
+        u.copy_(torch.rand(2, 7, generator=gen).to(dev))
+        g1.replay()
+        g2.replay()
+        want, _ = ours.propose(ids, req, start, logits=False)
+        assert torch.equal(drafts, want), (tok, drafts, want)
+        for got, w in zip(sampled, ours.propose_sampled(ids, req, start, 0.9, u)):
+            assert torch.equal(got, w), tok
+
+
 def test_dflash2_parity_kernel3_block8_sliding(tmp_path):
     run(cfg_dict(block_size=8, k=3, gs=8, top_k=6,
                  layer_types=("sliding_attention", "sliding_attention"), sliding_window=6),

@@ -25,6 +25,7 @@ length B (the config's block_size unless given).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -37,6 +38,8 @@ from .config import DFlashConfig
 from .hf_config import rope_table_len
 from .layer import DecoderLayer, Pending, Tokens
 from .linear import linear
+from .. import dispatch
+from ..streams import side_stream
 from .weights import check_drafter_state, stack_kv
 
 OPS = torch.ops.dflash
@@ -208,8 +211,10 @@ class DFlashDrafter:
         hidden = self.forward_block(block_ids, requests, start).view(r, b, -1)[:, 1:]
         cfg = self.cfg
         if self.selector is not None:
+            hp = self._hidden_projection(hidden)
             z = self.logits(hidden)
-            return self.select(hidden, z, block_ids[:, 0]), (z if logits else None)
+            path = self.select(hidden, z, block_ids[:, 0], hp=hp)
+            return path, (z if logits else None)
         if not logits and cfg.output_multiplier > 0 and not cfg.final_logit_softcapping:
             z = linear(hidden, self.lm_head)
         else:
@@ -232,28 +237,64 @@ class DFlashDrafter:
                              "candidate selector; sample a DFlash drafter's logits instead")
         r, b = block_ids.shape
         hidden = self.forward_block(block_ids, requests, start).view(r, b, -1)[:, 1:]
+        hp = self._hidden_projection(hidden)
         z = self.logits(hidden)
-        return self.select(hidden, z, block_ids[:, 0], temperature, u)
+        return self.select(hidden, z, block_ids[:, 0], temperature, u, hp=hp)
+
+    def _hidden_projection(self, hidden: torch.Tensor):
+        """The selector's hidden_projection(hidden) [R, B-1, r], or in a graphed CUDA call a
+        ``Branch`` computing it on ``streams.side_stream`` beside the LM head (a branch of the
+        captured graph, joined where ``select`` reads it): the projection and its split-K
+        reduction leave the step's chain. The same kernels either way, so the same bits."""
+        proj = self.selector[2]
+        if not (hidden.is_cuda and dispatch.in_graph_call()):
+            return linear(hidden, proj)
+        main = torch.cuda.current_stream(hidden.device)
+        side = side_stream(hidden.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            hp = linear(hidden, proj)
+        # hidden stays referenced by the caller until the join: not reused before the branch
+        # has read it
+        return Branch(hp, side)
 
     def select(self, hidden: torch.Tensor, z: torch.Tensor, anchor: torch.Tensor,
-               temperature: float = 0.0, u: Optional[torch.Tensor] = None):
+               temperature: float = 0.0, u: Optional[torch.Tensor] = None, hp=None):
         """DFlash 2's candidate selector, greedy: per mask row j the top-k tokens of its logits
         z [R, B-1, V] (unary scores), then walking j = 0 .. B-2 from the anchor (the block's
         first token), score = unary + <pred_codebook[previous] * hidden_projection(hidden[j]),
         succ_codebook[candidate]>, the argmax candidate becoming the previous token. Returns
         the path [R, B-1] (the drafts); with ``temperature`` > 0 each row's token is drawn from
         softmax(score / temperature) with the uniforms u [R, B-1], and the result is
-        (path, q [R, B-1, k], candidates [R, B-1, k])."""
+        (path, q [R, B-1, k], candidates [R, B-1, k]). ``hp``: hidden_projection(hidden) if
+        already computed (a tensor, or a ``Branch`` to join)."""
         pred_cb, succ_cb, proj = self.selector
         r, j, v = z.shape
         k = self.cfg.selector_top_k
         unary, cand = OPS.row_topk(z.reshape(r * j, v), k)  # ties: the lower token id first
         unary, cand = unary.view(r, j, k), cand.view(r, j, k)
-        hp = linear(hidden, proj)  # [R, B-1, r]
+        if hp is None:
+            hp = linear(hidden, proj)  # [R, B-1, r]
+        elif isinstance(hp, Branch):
+            hp = hp.join()
         path, q = OPS.select_candidates(unary, cand, hp.contiguous(),
                                         anchor.long().contiguous(), pred_cb, succ_cb,
                                         float(temperature), u)
         return path if temperature <= 0 else (path, q, cand)
+
+
+@dataclass
+class Branch:
+    """A result computed on ``stream`` (a side stream, a branch of a captured graph)."""
+    value: torch.Tensor
+    stream: "torch.cuda.Stream"
+
+    def join(self) -> torch.Tensor:
+        """The current stream waits for the branch; returns its result."""
+        main = torch.cuda.current_stream(self.value.device)
+        main.wait_stream(self.stream)
+        self.value.record_stream(main)  # freed after its use here, not after the branch's write
+        return self.value
 
 
 def random_drafter_state(cfg: DFlashConfig, seed: int = 0) -> dict:

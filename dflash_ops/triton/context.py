@@ -43,6 +43,7 @@ from triton.language.extra import libdevice
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import dispatch
+from ..streams import on_side
 from ._pdl import pdl_kwargs
 from . import kv as _kv
 from .norm import rms_norm as _rms_norm
@@ -610,13 +611,14 @@ def _operands(x, w, bm, bn, bk, tma):
 # its counter back), kept per device; grown (a new zeroed buffer) outside graph capture only.
 # A buffer once handed out is never freed (_RETIRED): a graph captured with it keeps its
 # address. Calls share the buffer, so split-K launches must not run concurrently on one device
-# (two streams, or parallel branches of a graph): the models run one stream.
+# (two streams, or parallel branches of a graph): the models run one stream, and the DFlash 2
+# selector's branch runs on ``streams.side_stream`` (its own buffer: the key's ``on_side``).
 _COUNTERS: dict = {}
 _RETIRED: list = []
 
 
 def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    key = (device.type, device.index)
+    key = (device.type, device.index, on_side(device))  # a branch's own (streams.py)
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < tiles:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
