@@ -146,7 +146,7 @@ def test_selector_branch_under_graph_gpu(tmp_path):
     ours = DFlashDrafter(DFlashConfig.from_pretrained(tmp_path), load_state(tmp_path),
                          embed_tokens=torch.randn(VOCAB, H, generator=gen),
                          lm_head=torch.randn(VOCAB, H, generator=gen) * H ** -0.5,
-                         dtype=torch.bfloat16, device=dev, num_blocks=16, cache_block_size=4,
+                         dtype=torch.bfloat16, device=dev, num_blocks=32, cache_block_size=4,
                          max_requests=2, max_len=64)
     for r in (0, 1):
         ours.cache.add_request(r)

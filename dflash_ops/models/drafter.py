@@ -17,7 +17,8 @@ Per step, for a batch of requests:
   norm; the LM head on the mask rows only; logits (model dtype; fp32 when the config scales or
   soft-caps them); greedy tokens. DFlash 2 (``model_type`` dflash2): each layer also convolves
   its sublayers' inputs and outputs along the block (``models.layer.Conv``), and the drafts are
-  the candidate selector's greedy path over each row's top-k tokens (``select``).
+  the candidate selector's greedy path over each row's top-k tokens (``select``; in graphed
+  CUDA calls its hidden projection runs on a side stream beside the LM head).
 
 Weights are the checkpoint's (names: ``models.weights``); the embedding and LM head
 come from the target unless the checkpoint ships its own. Every request's block has the same

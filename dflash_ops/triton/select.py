@@ -23,48 +23,28 @@ from ._pdl import pdl_kwargs
 @triton.jit
 def _walk_kernel(unary_ptr, cand_ptr, hid_ptr, anchor_ptr, pred_ptr, succ_ptr, u_ptr, path_ptr,
                  q_ptr, J, K, RANK, V, temperature, SAMPLE: tl.constexpr, BK: tl.constexpr,
-                 BR: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr):
-    # A program per request. Only the predecessor depends on the walk, and it is one of the
-    # previous row's candidates: so every row's candidate ids are loaded at once, and row j + 1's
-    # operands (its candidates' successor and predecessor codebook rows, unary, hidden) are
-    # issued before row j's arithmetic; the pick's predecessor row comes from the registers.
-    # The chain a row is its arithmetic, not a load round trip.
+                 BR: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # a programmatic dependent launch (_pdl.py): the prior grid ends first
         tl.extra.cuda.gdc_wait()
     r = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BK)
     d = tl.arange(0, BR)
-    jj = tl.arange(0, BJ)
     ik = i < K
     dk = d < RANK
-    ids = tl.load(cand_ptr + (r * J + jj[:, None]) * K + i[None, :],
-                  mask=(jj[:, None] < J) & ik[None, :], other=-1)
     prev = tl.load(anchor_ptr + r)
-    pd = d.to(tl.int64) * 0 + prev  # the predecessor as a vector (the interpreter takes
-    okp = dk & (pd >= 0) & (pd < V)  # no scalar & vector mask)
-    pv = tl.load(pred_ptr + tl.where(okp, pd, 0) * RANK + d, mask=okp, other=0.0).to(tl.float32)
-    c = tl.sum(tl.where(jj[:, None] == 0, ids, 0), axis=0)
-    okc = ik & (c >= 0) & (c < V)
-    at = tl.where(okc, c, 0)[:, None] * RANK + d[None, :]
-    sv = tl.load(succ_ptr + at, mask=okc[:, None] & dk[None, :], other=0.0)
-    pt = tl.load(pred_ptr + at, mask=okc[:, None] & dk[None, :], other=0.0)
-    hv = tl.load(hid_ptr + r * J * RANK + d, mask=dk, other=0.0)
-    un = tl.load(unary_ptr + r * J * K + i, mask=ik, other=0.0)
     for j in range(J):
         row = r * J + j
-        # row j + 1's operands (none past the last row)
-        nxt = (tl.zeros([BK], tl.int32) + j + 1) < J
-        cn = tl.sum(tl.where(jj[:, None] == j + 1, ids, 0), axis=0)
-        okn = ik & nxt & (cn >= 0) & (cn < V)
-        atn = tl.where(okn, cn, 0)[:, None] * RANK + d[None, :]
-        svn = tl.load(succ_ptr + atn, mask=okn[:, None] & dk[None, :], other=0.0)
-        ptn = tl.load(pred_ptr + atn, mask=okn[:, None] & dk[None, :], other=0.0)
-        hvn = tl.load(hid_ptr + (row + 1) * RANK + d, mask=dk & (d * 0 + j + 1 < J), other=0.0)
-        unn = tl.load(unary_ptr + (row + 1) * K + i, mask=ik & nxt, other=0.0)
-        # row j
-        qv = pv * hv.to(tl.float32)
-        score = tl.where(ik, un.to(tl.float32) + tl.sum(sv.to(tl.float32) * qv[None, :], axis=1),
-                         float("-inf"))
+        pd = d.to(tl.int64) * 0 + prev  # the predecessor as a vector (the interpreter takes
+        okp = dk & (pd >= 0) & (pd < V)  # no scalar & vector mask)
+        pv = tl.load(pred_ptr + tl.where(okp, pd, 0) * RANK + d, mask=okp, other=0.0)
+        hv = tl.load(hid_ptr + row * RANK + d, mask=dk, other=0.0)
+        qv = pv.to(tl.float32) * hv.to(tl.float32)
+        c = tl.load(cand_ptr + row * K + i, mask=ik, other=0)
+        okc = ik & (c >= 0) & (c < V)
+        sv = tl.load(succ_ptr + tl.where(okc, c, 0)[:, None] * RANK + d[None, :],
+                     mask=okc[:, None] & dk[None, :], other=0.0).to(tl.float32)
+        un = tl.load(unary_ptr + row * K + i, mask=ik, other=0.0).to(tl.float32)
+        score = tl.where(ik, un + tl.sum(sv * qv[None, :], axis=1), float("-inf"))
         if SAMPLE:
             s = score / temperature
             e = tl.where(ik, tl.exp(s - tl.max(s, axis=0)), 0.0)
@@ -84,13 +64,6 @@ def _walk_kernel(unary_ptr, cand_ptr, hid_ptr, anchor_ptr, pred_ptr, succ_ptr, u
         tl.store(q_ptr + row * K + i, q, mask=ik)
         prev = tl.sum(tl.where(i == pick, c, 0), axis=0)
         tl.store(path_ptr + row, prev)
-        # the pick's predecessor row (zeros for an id outside the vocabulary, as its load gave)
-        pv = tl.sum(tl.where((i == pick)[:, None], pt.to(tl.float32), 0.0), axis=0)
-        c = cn
-        sv = svn
-        pt = ptn
-        hv = hvn
-        un = unn
 
 
 def select_candidates(unary, cand, hidden, anchor, pred, succ, temperature: float, u=None):
@@ -104,8 +77,7 @@ def select_candidates(unary, cand, hidden, anchor, pred, succ, temperature: floa
     _walk_kernel[(r,)](unary, cand, hidden, anchor, pred, succ, u if sample else unary, path, q,
                        j, k, rank, pred.shape[0], float(temperature) if sample else 1.0,
                        SAMPLE=sample, BK=triton.next_power_of_2(k),
-                       BR=triton.next_power_of_2(max(rank, 1)), BJ=triton.next_power_of_2(j),
-                       num_warps=4, **pdl_kwargs(unary.device))
+                       BR=triton.next_power_of_2(max(rank, 1)), num_warps=4, **pdl_kwargs(unary.device))
     return path, q
 
 
