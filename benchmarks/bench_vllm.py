@@ -479,6 +479,8 @@ def main(argv=None) -> int:
                    help="add the profiled GPU time by part (attention, GEMM, norm/rope/KV, "
                         "other) and each variant's excess over plain")
     args = ap.parse_args(argv)
+    if args.cmd == "run" and not 0 < args.gpu_memory <= 1:
+        ap.error(f"--gpu-memory: expected a fraction in (0, 1]; got {args.gpu_memory}")
     return run(args) if args.cmd == "run" else table(args)
 
 

@@ -183,3 +183,13 @@ def test_ours_variant_runs_our_loop_on_the_pairs_checkpoints(tmp_path):
     assert lines[2].startswith("| 1 x 32 | - | - | - | - | ")
     assert f"{want['ms_per_iter']:.3f} (+{want['ms_per_iter'] - want['plain_ms_per_token']:.3f} " \
            f"over {want['plain_ms_per_token']:.3f})" in lines[2]
+
+
+def test_gpu_memory_outside_a_fraction_is_named(tmp_path):
+    for bad in ("0", "1.5", "-0.2"):
+        out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_vllm.py"), "run",
+                              str(tmp_path), "--variant", "stock", "--out",
+                              str(tmp_path / "o.jsonl"), "--gpu-memory", bad],
+                             capture_output=True, text=True)
+        assert out.returncode == 2 and "--gpu-memory: expected a fraction in (0, 1]" in out.stderr
+        assert not (tmp_path / "o.jsonl").exists()

@@ -13,7 +13,7 @@ O=$OUT; t0=$(date +%s); export OP_CHECK=0 DFLASH_OPS_COMMIT=${DFLASH_OPS_COMMIT:
 nvidia-smi --query-gpu=name --format=csv,noheader
 OUT=$O/b bash benchmarks/gpu_check.sh build > $O/build.log 2>&1; grep install $O/build.log
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}  # the carried wheels (dflash)
-timeout 120 python3 benchmarks/fork_probe.py > $O/fork_probe.log 2>&1; tail -8 $O/fork_probe.log
+timeout 120 python3 benchmarks/results/session43-2026-12-07/fork_probe.py > $O/fork_probe.log 2>&1; tail -8 $O/fork_probe.log
 OUT=$O/cmp OLD_COMMIT=proj-branch COMPARE_SUITES=dflash2-step COMPARE_D2_CASES=1x1024,8x1024 \
   ROUND_BUDGET_S=420 bash benchmarks/gpu_check.sh compare > $O/cmp.log 2>&1
 grep -E "^==|dflash2-step\] B=|rror|WRONG" $O/cmp.log | head -30

@@ -20,6 +20,6 @@ case "$gpu" in
   *) timeout $(( $(left) - 10 )) python3 benchmarks/profile_step.py --graph --rows 40 \
        --cases dflash2:1x1024 > $O/profile_d2.log 2>&1
      grep -E "GPU time|_kernel|nvjet" $O/profile_d2.log | head -60
-     timeout 120 python3 benchmarks/fork_probe.py > $O/fork_probe.log 2>&1; tail -8 $O/fork_probe.log ;;
+     timeout 120 python3 benchmarks/results/session43-2026-12-07/fork_probe.py > $O/fork_probe.log 2>&1; tail -8 $O/fork_probe.log ;;
 esac
 echo "total: $(( $(date +%s) - t0 )) s"

@@ -27,7 +27,7 @@ H100): split +1 to +3 us a layer (two launches), empty fork +1 to +3 us a layer,
 of bandwidth, land on the sublayer's streams). The branch pays if it beats serial by >= 10
 us over the five layers.
 
-    python benchmarks/fork_probe.py     # ~20 s
+    python benchmarks/results/session43-2026-12-07/fork_probe.py     # ~20 s
 """
 import importlib.util
 import sys
@@ -38,7 +38,7 @@ H, QKV, O_IN, PROJ, HALF, T, LAYERS = 5120, 6144, 4096, 1280, 640, 8, 5
 
 def main() -> int:
     if importlib.util.find_spec("dflash_ops") is None:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
     import torch
 
     if not torch.cuda.is_available():
