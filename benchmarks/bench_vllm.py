@@ -351,7 +351,10 @@ def merge_runs(rows) -> tuple:
 
 
 def table(args) -> int:
-    rows = [json.loads(line) for line in open(args.results) if line.strip()]
+    rows = []
+    for path in args.results:  # several files: the runs of one table (e.g. two device calls)
+        with open(path) as f:
+            rows += [json.loads(line) for line in f if line.strip()]
     by, runs = merge_runs(rows)
     keys = sorted({(r["batch"], r["context"]) for r in rows}, key=lambda k: (k[1], k[0]))
     lines = ["| B x S | plain ms/token | " + " | ".join(
@@ -473,7 +476,8 @@ def main(argv=None) -> int:
                         "GPU time an iteration in the record")
     p.add_argument("--out", required=True)
     p = sub.add_parser("table")
-    p.add_argument("results")
+    p.add_argument("results", nargs="+",
+                   help="results files (jsonl) of `run`; several are read as one")
     p.add_argument("--md")
     p.add_argument("--parts", action="store_true",
                    help="add the profiled GPU time by part (attention, GEMM, norm/rope/KV, "

@@ -37,6 +37,21 @@ def test_table_gives_each_variants_added_time_over_plain(tmp_path):
     assert md.read_text().strip() == out.stdout.strip()
 
 
+def test_table_reads_several_results_files_as_one(tmp_path):
+    """Variants run in separate calls (stock, then plugin) make one table row."""
+    files = []
+    for i, r in enumerate([dict(variant="stock", batch=32, context=32768, ms_per_iter=52.19,
+                                precompute_ms_mean=0.929),
+                           dict(variant="plugin", batch=32, context=32768, ms_per_iter=52.022,
+                                precompute_ms_mean=0.554)]):
+        files.append(tmp_path / f"r{i}.jsonl")
+        files[-1].write_text(json.dumps(r) + "\n")
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_vllm.py"), "table",
+                          *map(str, files)], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[2] == (
+        "| 32 x 32768 | - | 52.190 | 52.022 | - | - | 0.929 / 0.554 / - |")
+
+
 def _gen(path, outputs, accepted, drafted, drafts=((1, 2),)):
     path.write_text(json.dumps({"dtype": "float32", "outputs": outputs, "drafts": drafts,
                                 "metrics": {"vllm:spec_decode_num_accepted_tokens": accepted,
