@@ -11,7 +11,8 @@ graph replay (kernels inside graphs show up where CUPTI reports them). ``--exact
 verify / decode case profiled again in exact mode (speculator.exact_mode), for where exact mode's
 cost goes. ``dflash2:BxS``: the DFlash 2 draft step at Qwen3.8-27B-DFlash2 shapes and its DFlash
 twin (bench dflash2-step's two variants: no convolutions, no selector), one after the other, so
-the kernels the conv and selector add sit beside the twin's. Needs CUDA.
+the kernels the conv and selector add sit beside the twin's (``--twin-first``: the twin first).
+Needs CUDA.
 """
 import argparse
 import sys
@@ -64,7 +65,8 @@ def drafter_case(batch: int, context: int, rows: int, graph: bool) -> None:
         run_prof(lambda: step.run(bucket), rows, f"drafter graph B={batch} S={context}")
 
 
-def dflash2_case(batch: int, context: int, rows: int, graph: bool) -> None:
+def dflash2_case(batch: int, context: int, rows: int, graph: bool,
+                 twin_first: bool = False) -> None:
     from dflash_ops.bench import drafter as bd
     from dflash_ops.bench import dflash2_step as d2
     from dflash_ops.models.config import DFlashConfig
@@ -84,7 +86,8 @@ def dflash2_case(batch: int, context: int, rows: int, graph: bool) -> None:
             run_prof(lambda: step.run(bucket), rows, f"{name} graph B={batch} S={context}")
             step.close()
 
-    for name, cfg, state in (("dflash2", cfg2, state2), ("dflash twin", twin, state1)):
+    order = [("dflash2", cfg2, state2), ("dflash twin", twin, state1)]
+    for name, cfg, state in order[::-1] if twin_first else order:
         one(name, cfg, state)
         bd._free("cuda")
 
@@ -130,6 +133,9 @@ def main() -> None:
     ap.add_argument("--graph", action="store_true")
     ap.add_argument("--exact", action="store_true",
                     help="profile each verify / decode case in exact mode too")
+    ap.add_argument("--twin-first", action="store_true",
+                    help="dflash2 cases: profile the DFlash twin before the DFlash 2 step (is "
+                         "a kernel's difference between them the order they ran in?)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_step.py needs CUDA")
@@ -140,7 +146,7 @@ def main() -> None:
         if kind == "drafter":
             drafter_case(batch, context, a.rows, a.graph)
         elif kind == "dflash2":
-            dflash2_case(batch, context, a.rows, a.graph)
+            dflash2_case(batch, context, a.rows, a.graph, a.twin_first)
         elif kind in ("verify", "decode"):
             if models is None:
                 from dflash_ops.bench import e2e
