@@ -485,6 +485,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.cmd == "run" and not 0 < args.gpu_memory <= 1:
         ap.error(f"--gpu-memory: expected a fraction in (0, 1]; got {args.gpu_memory}")
+    if args.cmd == "table":
+        for path in args.results:
+            if not os.path.isfile(path):
+                ap.error(f"results: expected a results file of `run`; got {path!r}, not a file")
     return run(args) if args.cmd == "run" else table(args)
 
 

@@ -50,6 +50,11 @@ def test_table_reads_several_results_files_as_one(tmp_path):
                           *map(str, files)], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[2] == (
         "| 32 x 32768 | - | 52.190 | 52.022 | - | - | 0.929 / 0.554 / - |")
+    missing = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_vllm.py"),
+                              "table", str(files[0]), str(tmp_path / "nope.jsonl")],
+                             capture_output=True, text=True)
+    assert missing.returncode == 2 and "results: expected a results file" in missing.stderr
+    assert "nope.jsonl" in missing.stderr and "Traceback" not in missing.stderr
 
 
 def _gen(path, outputs, accepted, drafted, drafts=((1, 2),)):
