@@ -59,3 +59,23 @@ def test_the_unfused_pair_is_checked_then_timed(cpu_suite, monkeypatch):
     row, = [r for r in res.rows if r["table"].startswith("conv_add_rms_norm")]
     assert row["impl"] == "conv + fused_add_rms_norm_" and row["us"] == 10.0, row
     assert not row["note"].startswith("WRONG") and len(timed) == 1, row
+
+
+@pytest.mark.parametrize("off", [0.0, 1.0])
+def test_the_add_norm_alone_column_has_its_own_check(cpu_suite, monkeypatch, off):
+    """The twin's add + norm (no conv) column is checked against the add + norm reference, not
+    the conv op's: right, it is timed; off by one, it is WRONG and not timed."""
+    from dflash_ops.ops import norm
+    timed, res = cpu_suite
+    real = norm.fused_add_rms_norm_
+
+    def shifted(x, r, w, eps):
+        real(x, r, w, eps)
+        x.add_(off)
+    monkeypatch.setattr(norm, "fused_add_rms_norm_", shifted)
+    b2._conv_norm(res, (16,), {})
+    row, = [r for r in res.rows if r["impl"] == "fused_add_rms_norm_ alone, no conv (triton)"]
+    if off:
+        assert row["us"] is None and row["note"].startswith("WRONG"), row
+    else:
+        assert row["us"] == 10.0 and not row["note"].startswith("WRONG"), row

@@ -114,3 +114,33 @@ def test_cases_option_parses_and_names_bad_input():
             ds._cases(bad)
     a = _parser(ds).parse_args(["dflash2-step", "--cases", "8x1024"])
     assert a.cases == [(8, 1024)]
+
+
+def test_rounds_alternate_and_report_the_median_round():
+    from dflash_ops.bench import dflash2_step as ds
+
+    assert ds.round_orders(["a", "b"], 3) == [["a", "b"], ["b", "a"], ["a", "b"]]
+    assert ds.round_orders(["a", "b", "c"], 2) == [["a", "b", "c"], ["b", "c", "a"]]
+    assert ds.round_orders(["a", "b"], 1) == [["a", "b"]]
+    assert ds.round_orders([], 2) == [[], []]
+    rounds = [{"us": u, "p20": u - 1, "samples": 10} for u in (5.0, 9.0, 7.0)]
+    got = ds.median_round(rounds)
+    assert got["us"] == 7.0 and got["p20"] == 6.0 and got["rounds"] == [5.0, 9.0, 7.0]
+    # an even count takes the lower middle round, a single round itself
+    assert ds.median_round(rounds + [{"us": 1.0}])["us"] == 5.0
+    assert ds.median_round(rounds[1:2])["us"] == 9.0
+
+
+def test_rounds_option_parses_and_names_bad_input():
+    import argparse
+
+    import pytest
+
+    from dflash_ops.bench import dflash2_step as ds
+    from dflash_ops.bench.harness import _parser
+
+    assert _parser(ds).parse_args(["dflash2-step", "--rounds", "5"]).rounds == 5
+    assert _parser(ds).parse_args(["dflash2-step"]).rounds == 3
+    for bad in ("0", "-1", "x", "1.5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected an integer >= 1"):
+            ds._rounds(bad)

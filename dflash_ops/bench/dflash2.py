@@ -8,7 +8,8 @@
   RMSNorm in one kernel; the drafter runs it twice a layer) on the same shapes, T 8 .. 4096:
   our kernels (Triton, CUDA) vs the two kernels it replaces (``grouped_dyn_conv`` then
   ``fused_add_rms_norm_``, default backends) vs the floor (x, dynamic, the residual read and
-  written, the output).
+  written, the output); and ``fused_add_rms_norm_`` alone (Triton, CUDA; no conv, checked
+  against its own reference): the add + norm a DFlash layer runs in the op's place.
 * ``select_candidates``: R requests x 7 rows, k 16, rank 256, V 248320 codebooks (the gathered
   rows are the bytes: R * 7 * (k + 1) * rank * 2 + unary/hidden): our kernels (Triton, CUDA)
   vs the walk as eager torch (the reference), R 1 .. 64.
@@ -78,7 +79,7 @@ def _conv(res: Results, ts, timing) -> None:
 
 def _conv_norm(res: Results, ts, timing) -> None:
     from dflash_ops.ops.conv import conv_add_rms_norm, conv_add_rms_norm_ref, grouped_dyn_conv
-    from dflash_ops.ops.norm import fused_add_rms_norm_
+    from dflash_ops.ops.norm import _fused_add_rms_norm_ref, fused_add_rms_norm_
     g = H // GS
     dev, bf16 = DEVICE, torch.bfloat16
     table = f"conv_add_rms_norm x[T,{H}] bf16, K {K}, group {GS}, blocks of {BLOCK}"
@@ -108,6 +109,20 @@ def _conv_norm(res: Results, ts, timing) -> None:
                         ref, f"ours ({be})")
                  for be in ("triton", "cuda") if dispatch.has_backend("conv_add_rms_norm_", be)]
         impls.append(Impl("conv + fused_add_rms_norm_", unfused, ref))
+
+        def add_norm_ref(x, r, d, b):
+            x, r = x.clone(), r.clone()
+            _fused_add_rms_norm_ref(x, r, w, 1e-6)
+            return x
+
+        def add_norm(x, r, d, b):
+            fused_add_rms_norm_(x, r, w, 1e-6)
+            return x
+        # what the op costs over the add + norm a DFlash layer runs in its place (no conv;
+        # its own reference): the DFlash twin of the draft step runs this one
+        impls += [forced("fused_add_rms_norm_", be, add_norm, add_norm_ref,
+                         f"fused_add_rms_norm_ alone, no conv ({be})")
+                  for be in ("triton", "cuda") if dispatch.has_backend("fused_add_rms_norm_", be)]
         for impl in impls:  # measure checks on copies: the timed calls add into the residuals
             _row(res, table, str(t), impl, sets, timing, bytes_moved=moved, floor=fl, x=t)
 
