@@ -68,7 +68,8 @@
 #            alternating old/new twice (COMPARE_SUITES=ctx: this tree's ctx_probe.py over each
 #            side's package, context_kv_'s epilogue; attn: attn_probe.py, block_attention at
 #            decode / verify shapes; conv: conv_probe.py, DFlash 2's two conv ops;
-#            dflash2-step: bench dflash2-step --cases COMPARE_D2_CASES, default 1x1024, which
+#            dflash2-step: bench dflash2-step --cases COMPARE_D2_CASES, default 1x1024
+#            (COMPARE_D2_ROUNDS: its --rounds, trees from session 46 on), which
 #            an old tree needs: copy this tree's bench/dflash2_step.py there; e2e takes
 #            COMPARE_E2E_ARGS, default --quick), so a change's speed is compared within one
 #            call (drift between calls is ~4%); OLD_DIR names another place for the old tree
@@ -384,7 +385,7 @@ if [ "$what" = compare ]; then
         case $suite in
           drafter) extra="--quick --no-ref" ;;
           attention) extra=${COMPARE_ATTN_ARGS:---no-flex --tables splits --cases 1x1024,1x32768,8x4096,32x4096,1x131072} ;;
-          dflash2-step) extra="--cases ${COMPARE_D2_CASES:-1x1024}" ;;
+          dflash2-step) extra="--cases ${COMPARE_D2_CASES:-1x1024}${COMPARE_D2_ROUNDS:+ --rounds $COMPARE_D2_ROUNDS}" ;;
           e2e) extra=${COMPARE_E2E_ARGS:---quick} ;;
           *) extra="--quick" ;;
         esac
