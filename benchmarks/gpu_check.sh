@@ -269,7 +269,7 @@ if [ "$what" = dflash2 ]; then  # DFlash 2's ops against their floors (bench_dfl
   timeout 300 python3 benchmarks/bench_dflash2.py ${BENCH_ARGS:-} --out "$OUT/results" 2>&1 \
     | tee "$OUT/bench_dflash2.log"
   if [ "${DFLASH2_STEP:-1}" = 1 ]; then  # the whole draft step vs its DFlash twin (three
-    # rounds a case since session 46: the full grid ~5 min on an H100, --quick ~2)
+    # rounds a case since session 46: ~9 s a case a round on an H100, the full grid ~3.5 min)
     timeout "${DFLASH2_STEP_TIMEOUT:-480}" python3 -m dflash_ops bench dflash2-step \
       ${BENCH_ARGS:-} --out "$OUT/results" > "$OUT/bench_dflash2_step.log" 2>&1
     grep -A12 "^summary" "$OUT/bench_dflash2_step.log"
