@@ -13,6 +13,8 @@ export OP_CHECK=0
 OUT=$O/c COMPARE_SUITES="conv dflash2-step" COMPARE_TREES="main:. cnt:.cnt" ROUNDS=0 \
   bash benchmarks/gpu_check.sh compare > $O/prep.log 2>&1; grep -E "install|ready" $O/prep.log
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+(cd .cnt && PYTHONPATH="$PWD:$PYTHONPATH" python3 -c \
+  "import dflash_ops, dflash_ops._C; print('cnt tree imports', dflash_ops.__file__)")
 (cd .cnt && PYTHONPATH="$PWD:$PYTHONPATH" timeout 150 python3 -m pytest -q -m gpu \
   tests/test_conv_kernels.py tests/test_drafter2_parity.py > $O/pytest_cnt.log 2>&1)
 tail -2 $O/pytest_cnt.log; echo "cnt tests: $(( $(date +%s) - t0 )) s"
