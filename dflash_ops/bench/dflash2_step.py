@@ -255,8 +255,8 @@ def run(quick: bool = False, cases=None, rounds: int = 3) -> Results:
             notes, seen = {name: "" for name in VARIANTS}, {name: [] for name in VARIANTS}
             for order in round_orders(VARIANTS, rounds):
                 # a round builds (and checks) the variants in its order, then times them in
-                # that order: where a drafter's weights land in memory moved its GEMMs by a
-                # few us (session 46), so neither variant always gets the first allocation
+                # that order, so neither is always first built or run (session 46 found no
+                # effect of either order; the rounds' spread goes into each row's note)
                 built = {}
                 for name in order:
                     if notes[name].startswith(("WRONG", "failed")):
